@@ -1,0 +1,246 @@
+"""Compile targets: the GPUs jaxmem plans for, reachable from a machine without one.
+
+A :class:`Target` knows the facts the planner and the cost model need (memory
+size, HBM bandwidth, peak FLOP/s per dtype, host-link bandwidth per direction)
+and hands out devices to compile for. ``h100`` and ``h200`` are *compile-only*
+CUDA devices built by XLA from a ``GpuTargetConfigProto`` written from public
+specifications (DESIGN.md §3): XLA's GPU compiler runs, and
+``memory_analysis()`` reports the GPU buffer assignment, with no GPU present.
+``cpu`` compiles for the host CPU with XLA's memory-optimized scheduler, so
+remat savings show up in its memory figures as they do on a GPU.
+
+>>> import jaxmem
+>>> t = jaxmem.targets.get("h100")
+>>> t.default_budget_bytes == int(0.75 * t.memory_bytes)
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Literal, Mapping
+
+import jax
+import numpy as np
+
+TargetName = Literal["h100", "h200", "cpu"]
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Compiler option that makes XLA's CPU scheduler minimize memory (its default
+# ignores memory, so remat shows no savings on the CPU without it).
+CPU_MEMORY_SCHEDULER = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+# JAX lets XLA take this fraction of device memory (XLA_PYTHON_CLIENT_MEM_FRACTION).
+DEFAULT_BUDGET_FRACTION = 0.75
+
+_MISSING_PLUGIN = (
+    "target {name!r} compiles for a CUDA GPU without one, which needs the CUDA PJRT "
+    "plugin: pip install 'jaxmem[gpu-targets]' (jax-cuda12-plugin==0.10.2), and run "
+    "with JAX_PLATFORMS=cpu on a machine without a GPU. Underlying error: {err}"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A device jaxmem plans and compiles for.
+
+    Attributes:
+      name: ``"h100"``, ``"h200"`` or ``"cpu"``.
+      platform: the PJRT platform (``"cuda"`` or ``"cpu"``).
+      memory_bytes: device memory as the driver reports it.
+      hbm_bytes_per_s: device memory bandwidth.
+      peak_flops_per_s: dense peak by dtype name (``"bfloat16"``, ``"float32"``, ...).
+      h2d_bytes_per_s / d2h_bytes_per_s: measured host-link bandwidth per direction.
+      compile_only: the device cannot execute, only compile (no GPU here).
+      description: the marketing name, written into the target config.
+      estimated: the speed figures are rough guesses rather than specifications.
+    """
+
+    name: str
+    platform: str
+    memory_bytes: int
+    hbm_bytes_per_s: float
+    peak_flops_per_s: Mapping[str, float]
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    compile_only: bool
+    description: str
+    core_count: int = 0
+    l2_cache_bytes: int = 0
+    clock_ghz: float = 0.0
+    estimated: bool = False
+
+    @property
+    def default_budget_bytes(self) -> int:
+        """The memory JAX lets XLA use by default: 75% of the device."""
+        return int(DEFAULT_BUDGET_FRACTION * self.memory_bytes)
+
+    @property
+    def compiler_options(self) -> dict[str, str]:
+        """Options passed to ``Lowered.compile`` for this target."""
+        return dict(CPU_MEMORY_SCHEDULER) if self.platform == "cpu" else {}
+
+    def flops_per_s(self, dtype: Any) -> float:
+        """Dense peak FLOP/s for arithmetic in ``dtype`` (TF32 rate for float32 matmuls is not assumed)."""
+        key = np.dtype(dtype).name
+        return self.peak_flops_per_s.get(key, self.peak_flops_per_s["float32"])
+
+    def devices(self, count: int = 1) -> list[jax.Device]:
+        """``count`` devices of this target (compile-only for GPU targets)."""
+        if self.platform == "cpu":
+            cpus = jax.devices("cpu")
+            if count > len(cpus):
+                raise ValueError(
+                    f"target 'cpu' has {len(cpus)} device(s) but {count} were asked for; set "
+                    f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before importing jax")
+            return list(cpus[:count])
+        return list(_compile_only_devices(self.name, _gpu_target_config(self), count))
+
+    def device(self) -> jax.Device:
+        """The first device of this target."""
+        return self.devices(1)[0]
+
+    def place(self, tree: Any) -> Any:
+        """Place a pytree of arrays / ``ShapeDtypeStruct``s on this target's device.
+
+        Compile-only devices hold no data, so every leaf becomes a
+        ``jax.ShapeDtypeStruct`` with a ``SingleDeviceSharding`` on the target
+        (without one, jit silently compiles for the CPU). On ``cpu``, concrete
+        arrays are kept concrete so the step can run.
+        """
+        sharding = jax.sharding.SingleDeviceSharding(self.device())
+
+        def one(leaf: Any) -> Any:
+            if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+                return leaf
+            if self.compile_only or isinstance(leaf, jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+            return jax.device_put(leaf, sharding)
+
+        return jax.tree_util.tree_map(one, tree)
+
+
+def _gpu_target_config(t: Target) -> str:
+    """A ``GpuTargetConfigProto`` in text format, written from the target's facts.
+
+    Every field of ``gpu_device_info`` must be set: a config with a name alone
+    crashes XLA (SIGFPE). Hopper (sm_90) limits: 1024 threads/block, 2048
+    threads and 64K registers per SM, 228 KiB shared memory per SM of which
+    227 KiB can be opted into by one block.
+    """
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: {t.core_count}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(t.hbm_bytes_per_s)}
+  l2_cache_size: {t.l2_cache_bytes}
+  clock_rate_ghz: {t.clock_ghz}
+  device_memory_size: {t.memory_bytes}
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{
+    major: 9
+    minor: 0
+  }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{
+  major: 9
+  minor: 8
+}}
+device_description_str: "{t.description}"
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_only_devices(name: str, config: str, count: int) -> tuple[jax.Device, ...]:
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(
+            platform="cuda", topology_name="", target_config=config, topology=f"1x1x{count}")
+    except Exception as err:  # the plugin is missing or refused the config
+        raise RuntimeError(_MISSING_PLUGIN.format(name=name, err=err)) from err
+    return tuple(topo.devices)
+
+
+# Hopper dense peaks (SXM): BF16/FP16 989 TFLOP/s, TF32 495, FP32 (non-tensor) 67, FP64 67.
+_HOPPER_FLOPS = {
+    "bfloat16": 989e12,
+    "float16": 989e12,
+    "float32": 67e12,
+    "float64": 67e12,
+    "float8_e4m3fn": 1979e12,
+    "float8_e5m2": 1979e12,
+}
+
+# PCIe 5 x16: 64 GB/s per direction on paper; measured about 53 GB/s D2H and 35 GB/s H2D.
+_PCIE5_D2H = 53e9
+_PCIE5_H2D = 35e9
+
+H100 = Target(
+    name="h100", platform="cuda", memory_bytes=84_942_979_072, hbm_bytes_per_s=3.35e12,
+    peak_flops_per_s=_HOPPER_FLOPS, h2d_bytes_per_s=_PCIE5_H2D, d2h_bytes_per_s=_PCIE5_D2H,
+    compile_only=True, description="NVIDIA H100 80GB HBM3", core_count=132,
+    l2_cache_bytes=50 * MiB, clock_ghz=1.98)
+
+H200 = Target(
+    name="h200", platform="cuda", memory_bytes=143_771 * MiB, hbm_bytes_per_s=4.8e12,
+    peak_flops_per_s=_HOPPER_FLOPS, h2d_bytes_per_s=_PCIE5_H2D, d2h_bytes_per_s=_PCIE5_D2H,
+    compile_only=True, description="NVIDIA H200", core_count=132,
+    l2_cache_bytes=50 * MiB, clock_ghz=1.98)
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GiB
+
+
+# The CPU's speed figures are rough estimates for a small server core pair; the
+# CPU target exists to run steps and check their numbers, not to time them.
+CPU = Target(
+    name="cpu", platform="cpu", memory_bytes=_host_memory_bytes(), hbm_bytes_per_s=20e9,
+    peak_flops_per_s={"float32": 100e9, "bfloat16": 50e9, "float64": 50e9},
+    h2d_bytes_per_s=20e9, d2h_bytes_per_s=20e9, compile_only=False,
+    description="host CPU", estimated=True)
+
+_TARGETS: dict[str, Target] = {t.name: t for t in (H100, H200, CPU)}
+
+
+def names() -> list[str]:
+    """Names of the known targets."""
+    return list(_TARGETS)
+
+
+def get(target: "str | Target") -> Target:
+    """Look a target up by name (a :class:`Target` passes through).
+
+    Raises:
+      ValueError: for an unknown name; the message lists the known ones.
+    """
+    if isinstance(target, Target):
+        return target
+    try:
+        return _TARGETS[str(target).lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown target {target!r}; known targets: {', '.join(_TARGETS)}") from None
+
+
+def place(tree: Any, target: "str | Target" = "h100") -> Any:
+    """Place a pytree of example arguments on ``target``'s device: ``get(target).place(tree)``."""
+    return get(target).place(tree)

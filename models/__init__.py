@@ -1,0 +1,1 @@
+"""The jaxmem model zoo: Flax train steps used by tests, bench and users."""

@@ -1,0 +1,98 @@
+"""The planner registry: names to planner functions and peer policies."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, Literal
+
+Kind = Literal["planner", "peer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A registered name.
+
+    Attributes:
+      name: what users type (``"cpsat"``, ``"full"``, ...).
+      kind: ``"planner"`` (plans any traced step) or ``"peer"`` (a stock
+        policy the zoo applies per block; see ``jaxmem.models.POLICIES``).
+      fn: the planner function; ``None`` for peers.
+      doc: one line for listings.
+    """
+
+    name: str
+    kind: Kind
+    fn: Callable[..., Any] | None
+    doc: str
+
+
+_ENTRIES: dict[str, Entry] = {}
+
+# Peers: the stock JAX checkpoint policies and MaxText-style presets (DESIGN.md §6).
+_PEERS = {
+    "none": "XLA as is: no remat, no offload",
+    "full": "jax.checkpoint per block saving nothing (nothing_saveable)",
+    "dots": "per block, save every matmul output (dots_saveable)",
+    "dots_no_batch": "per block, save matmuls without batch dims (dots_with_no_batch_dims_saveable)",
+    "offload_dots_no_batch": "per block, offload matmuls without batch dims to pinned host",
+    "minimal": "MaxText 'minimal': save matmuls without batch dims",
+    "save_qkv_proj": "MaxText: save query/key/value projections",
+    "save_dot_except_mlpwi": "MaxText: save q/k/v, out_proj and mlpwo",
+    "qkv_proj_offloaded": "MaxText: offload query/key/value projections to pinned host",
+    "minimal_offloaded": "MaxText 'minimal_offloaded': offload matmuls without batch dims",
+}
+
+# Planner modules import lazily so `import jaxmem` does not pull in OR-Tools.
+_PLANNER_MODULES: dict[str, str] = {}
+
+
+def register(name: str, fn: Callable[..., Any], doc: str = "", kind: Kind = "planner") -> None:
+    """Register a planner function under ``name`` (re-registering replaces it)."""
+    _ENTRIES[name] = Entry(name=name, kind=kind, fn=fn, doc=doc)
+
+
+def register_module(name: str, module: str) -> None:
+    """Declare that importing ``module`` registers planner ``name``."""
+    _PLANNER_MODULES[name] = module
+
+
+def _load_all() -> None:
+    for name, module in _PLANNER_MODULES.items():
+        if name not in _ENTRIES:
+            importlib.import_module(module)
+
+
+for _name, _doc in _PEERS.items():
+    register(_name, None, _doc, kind="peer")  # type: ignore[arg-type]
+
+
+def names() -> list[str]:
+    """Every registered name: peers first, then planners."""
+    _load_all()
+    return peers() + planners()
+
+
+def peers() -> list[str]:
+    """Names of the stock policies the bench compares against."""
+    return [e.name for e in _ENTRIES.values() if e.kind == "peer"]
+
+
+def planners() -> list[str]:
+    """Names of jaxmem's planners."""
+    _load_all()
+    return [e.name for e in _ENTRIES.values() if e.kind == "planner"]
+
+
+def get(name: str) -> Entry:
+    """The entry for ``name``.
+
+    Raises:
+      ValueError: for an unknown name, listing the known ones.
+    """
+    if name in _PLANNER_MODULES and name not in _ENTRIES:
+        importlib.import_module(_PLANNER_MODULES[name])
+    try:
+        return _ENTRIES[name]
+    except KeyError:
+        raise ValueError(f"unknown planner {name!r}; known: {', '.join(names())}") from None
