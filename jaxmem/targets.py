@@ -85,8 +85,13 @@ class Target:
         return dict(CPU_MEMORY_SCHEDULER) if self.platform == "cpu" else {}
 
     def flops_per_s(self, dtype: Any) -> float:
-        """Dense peak FLOP/s for arithmetic in ``dtype`` (TF32 rate for float32 matmuls is not assumed)."""
-        key = np.dtype(dtype).name
+        """Dense peak FLOP/s for arithmetic in ``dtype``.
+
+        ``"tensorfloat32"`` is the rate of float32 matmuls at JAX's default
+        precision on Ampere and later GPUs (TF32 tensor cores); plain
+        ``"float32"`` is the non-tensor-core rate used for other float32 work.
+        """
+        key = dtype if isinstance(dtype, str) and dtype in self.peak_flops_per_s else np.dtype(dtype).name
         return self.peak_flops_per_s.get(key, self.peak_flops_per_s["float32"])
 
     def devices(self, count: int = 1) -> list[jax.Device]:
@@ -179,6 +184,7 @@ def _compile_only_devices(name: str, config: str, count: int) -> tuple[jax.Devic
 # Hopper dense peaks (SXM): BF16/FP16 989 TFLOP/s, TF32 495, FP32 (non-tensor) 67, FP64 67.
 _HOPPER_FLOPS = {
     "bfloat16": 989e12,
+    "tensorfloat32": 495e12,
     "float16": 989e12,
     "float32": 67e12,
     "float64": 67e12,

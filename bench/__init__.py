@@ -1,0 +1,18 @@
+"""jaxmem's comparison bench: every planner and stock policy, same model, same run.
+
+Run from the repository root::
+
+    python -m bench --models mlp,gpt2 --size tiny --budgets 0.5,0.8 --cpu-time
+
+It compiles each (model, planner, budget) for the target (``h100`` by
+default, compile-only), writes one JSON line per run to
+``OUT/results.jsonl`` (fields of DESIGN.md §4), prints a table with memory
+in MiB and ratios to the unplanned step (``none``), and plots compiled peak
+against estimated step time in ``OUT/pareto.png``.
+"""
+
+import os
+
+# The CUDA plugin must not look for a GPU on machines without one (DESIGN.md §3);
+# set before anything imports jax. An explicit setting wins.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -1,0 +1,39 @@
+"""``python -m bench``: see ``python -m bench --help`` and :mod:`bench`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from bench import options as _options
+
+
+def main(argv: Sequence[str] | None = None, *, builder: Callable[..., Any] | None = None) -> int:
+    """Run the bench; returns the process exit status.
+
+    Args:
+      argv: command-line arguments (default: ``sys.argv[1:]``).
+      builder: a stand-in for ``jaxmem.models.build`` (tests use a small fake step).
+    """
+    opts = _options.parse(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from bench.output import pareto_plot, table
+    from bench.runner import run
+
+    try:
+        records = run(opts, builder=builder)
+    except ValueError as err:
+        print(f"python -m bench: error: {err}", file=sys.stderr)
+        return 2
+    print(table(records))
+    print(f"results: {os.path.join(opts.out, 'results.jsonl')}")
+    if opts.plot:
+        path = pareto_plot(records, os.path.join(opts.out, "pareto.png"))
+        print(f"plot: {path}" if path else "plot: nothing compiled, no plot written")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

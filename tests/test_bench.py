@@ -1,0 +1,217 @@
+"""The bench (``python -m bench``) on a small fake step of its own."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import jaxmem
+from bench.__main__ import main
+from bench.options import parse_budget
+from jaxmem.planners import _registry
+
+S = jax.ShapeDtypeStruct
+WIDTH, BATCH, LAYERS = 32, 16, 3
+
+REQUIRED = {
+    "model", "size", "planner", "budget_bytes", "target", "compiled_peak_bytes", "host_bytes",
+    "predicted_peak_bytes", "flops", "est_step_time_s", "cpu_step_time_ratio", "solve_time_s",
+    "status", "grads_match", "jax_version", "variant", "compile_time_s", "peak_memory_in_bytes",
+    "date"}
+
+_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "offload_dots_no_batch": jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+        "device", "pinned_host"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeStep:
+    """The fields of ``jaxmem.models.ZooStep`` the bench reads."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    make_args: Callable[..., tuple[Any, ...]]
+    donate_argnums: tuple[int, ...]
+    name: str
+    size: str
+    policy: str
+    scan: bool
+    step: str
+
+
+def fake_build(name: str, size: str = "tiny", *, step: str = "grad", policy: str = "none",
+               scan: bool = False, fail_on: tuple[str, ...] = ()) -> FakeStep:
+    """A 3-layer tanh MLP gradient step with a per-layer checkpoint policy."""
+    if policy not in _POLICIES or policy in fail_on:
+        raise ValueError(f"the fake step has no policy {policy!r}; it has {sorted(_POLICIES)}")
+
+    def layer(x: jax.Array, w: jax.Array) -> jax.Array:
+        return jnp.tanh(x @ w)
+
+    if _POLICIES[policy] is not None:
+        layer = jax.checkpoint(layer, policy=_POLICIES[policy])
+
+    def loss(params: list[jax.Array], x: jax.Array) -> jax.Array:
+        for w in params:
+            x = layer(x, w)
+        return jnp.mean(x ** 2)
+
+    def fn(params: list[jax.Array], x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        return jax.value_and_grad(loss)(params, x)
+
+    def make_args(seed: int = 0) -> tuple[Any, ...]:
+        keys = jax.random.split(jax.random.key(seed), LAYERS + 1)
+        params = [jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH**0.5 for k in keys[:-1]]
+        return params, jax.random.normal(keys[-1], (BATCH, WIDTH))
+
+    args = ([S((WIDTH, WIDTH), jnp.float32)] * LAYERS, S((BATCH, WIDTH), jnp.float32))
+    return FakeStep(fn, args, make_args, (), name, size, policy, scan, step)
+
+
+def _records(out: Any) -> list[dict[str, Any]]:
+    lines = (out / "results.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_bench_writes_results_table_and_plot(tmp_path, capsys):
+    argv = ["--models", "fake", "--planners", "none,full,dots,offload_dots_no_batch,minimal",
+            "--budgets", "0.5,64MiB", "--cpu-time", "--repeats", "2", "--out", str(tmp_path)]
+    assert main(argv, builder=fake_build) == 0
+    records = _records(tmp_path)
+    assert len(records) == 5 * 2
+    for r in records:
+        assert REQUIRED <= set(r), REQUIRED - set(r)
+    by = {(r["planner"], r["budget"]): r for r in records}
+    none = by["none", "0.5"]
+    assert none["budget_bytes"] == int(0.5 * none["compiled_peak_bytes"])
+    assert none["status"] == "over_budget"
+    assert by["none", "64MiB"]["budget_bytes"] == 64 << 20
+    for planner in ("none", "full", "dots", "offload_dots_no_batch"):
+        r = by[planner, "64MiB"]
+        assert r["status"] == "ok" and r["compiled_peak_bytes"] > 0 and r["flops"] > 0
+        assert r["est_step_time_s"] > 0 and r["cpu_step_time_ratio"] > 0
+        assert r["grads_match"] is True  # remat and offload do not change arithmetic
+        assert r["variant"] == "unrolled" and r["target"] == "h100"
+    assert by["full", "64MiB"]["flops"] > none["flops"]  # recomputation shows up
+    assert by["offload_dots_no_batch", "64MiB"]["host_bytes"] > 0
+    for budget in ("0.5", "64MiB"):
+        assert by["minimal", budget]["status"].startswith("error: ValueError: the fake step")
+        assert by["minimal", budget]["compiled_peak_bytes"] is None
+    assert (tmp_path / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "device MiB" in out and "peak/none" in out
+    assert sum(line.startswith("fake ") for line in out.splitlines()) == len(records)
+
+
+@pytest.fixture
+def fake_planner(monkeypatch):
+    entry = _registry.Entry(name="fake_planner", kind="planner", fn=lambda *a: None, doc="test")
+    monkeypatch.setitem(_registry._ENTRIES, "fake_planner", entry)
+    return "fake_planner"
+
+
+def test_planner_without_optimize_is_recorded_as_an_error(tmp_path, fake_planner, monkeypatch):
+    monkeypatch.delattr(jaxmem, "optimize", raising=False)
+    argv = ["--models", "fake", "--planners", f"none,{fake_planner}", "--out", str(tmp_path),
+            "--no-plot"]
+    assert main(argv, builder=fake_build) == 0
+    planned = [r for r in _records(tmp_path) if r["planner"] == fake_planner]
+    assert len(planned) == 1
+    assert planned[0]["status"].startswith("error: PlannerUnavailable")
+    assert "jaxmem.optimize" in planned[0]["status"]
+
+
+class InfeasibleBudgetError(ValueError):
+    """Named like jaxmem's: the bench recognises it by name."""
+
+
+def test_planner_dispatch_goes_through_optimize(tmp_path, fake_planner, monkeypatch):
+    configs: list[dict[str, Any]] = []
+
+    class Config:
+        def __init__(self, **kwargs: Any) -> None:
+            configs.append(kwargs)
+            self.budget = kwargs["budget"]
+
+    class Planned:
+        def __init__(self, fn: Callable[..., Any], config: Config, donate_argnums: Any) -> None:
+            if config.budget < 1 << 20:
+                raise InfeasibleBudgetError("no plan fits")
+            self._jitted = jax.jit(fn, donate_argnums=donate_argnums)
+            self.plan = dataclasses.make_dataclass(
+                "P", [("predicted_peak_bytes", int), ("solve_time_s", float)])(12345, 0.25)
+
+        def lower(self, *args: Any) -> jax.stages.Lowered:
+            return self._jitted.lower(*args)
+
+        def __call__(self, *args: Any) -> Any:
+            return self._jitted(*args)
+
+    monkeypatch.setattr(jaxmem, "Config", Config, raising=False)
+    monkeypatch.setattr(jaxmem, "optimize", lambda fn, config, donate_argnums: Planned(
+        fn, config, donate_argnums), raising=False)
+    argv = ["--models", "fake", "--planners", fake_planner, "--budgets", "1KiB,64MiB",
+            "--target", "cpu", "--cpu-time", "--repeats", "1", "--out", str(tmp_path),
+            "--no-plot"]
+    assert main(argv, builder=fake_build) == 0
+    records = {(r["planner"], r["budget"]): r for r in _records(tmp_path)}
+    assert records[fake_planner, "1KiB"]["status"] == "infeasible"
+    ok = records[fake_planner, "64MiB"]
+    assert ok["status"] == "ok" and ok["predicted_peak_bytes"] == 12345
+    assert ok["solve_time_s"] == 0.25 and ok["grads_match"] is True
+    assert {"budget": 64 << 20, "target": "cpu", "planner": fake_planner} in configs
+
+
+def test_failed_reference_leaves_fraction_budgets_unresolved(tmp_path):
+    def builder(*args: Any, **kwargs: Any) -> FakeStep:
+        return fake_build(*args, fail_on=("none",), **kwargs)
+
+    argv = ["--models", "fake", "--planners", "none,full", "--budgets", "0.5,default",
+            "--out", str(tmp_path), "--no-plot"]
+    assert main(argv, builder=builder) == 0
+    by = {(r["planner"], r["budget"]): r for r in _records(tmp_path)}
+    assert by["none", "default"]["status"].startswith("error: ValueError")
+    assert by["full", "0.5"]["status"].startswith("error: a fractional budget")
+    assert by["full", "default"]["status"] == "ok"
+    assert by["full", "default"]["budget_bytes"] == jaxmem.targets.get("h100").default_budget_bytes
+
+
+def test_unknown_planner_is_a_usage_error(tmp_path, capsys):
+    assert main(["--models", "fake", "--planners", "nope", "--out", str(tmp_path)],
+                builder=fake_build) == 2
+    assert "unknown planner 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("512MiB", 512 << 20), ("60GiB", 60 << 30), ("1.5GB", 1_500_000_000), ("1024", 1024),
+    ("2kib", 2048)])
+def test_budget_bytes(text, expected):
+    assert parse_budget(text).bytes == expected
+
+
+@pytest.mark.parametrize("text,expected", [("0.5", 0.5), ("50%", 0.5), (".25", 0.25)])
+def test_budget_fractions(text, expected):
+    assert parse_budget(text).fraction == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "12 parsecs", "-1GiB", "1e9"])
+def test_bad_budgets_say_what_is_allowed(text):
+    with pytest.raises(ValueError, match="GiB"):
+        parse_budget(text)
+
+
+@given(st.integers(min_value=0, max_value=1 << 40),
+       st.sampled_from([("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30), ("MB", 10**6)]))
+def test_integer_budgets_with_units_are_exact(n, unit):
+    assert parse_budget(f"{n}{unit[0]}").bytes == n * unit[1]
