@@ -1,0 +1,329 @@
+"""The CP-SAT planner (``cpsat``): order, remat and offload decided together.
+
+The step's :class:`~jaxmem.graph.MemGraph` is coarsened
+(:mod:`jaxmem.planners.coarsen`: fused ops join their consumers, then
+adjacent nodes merge up to ``max_nodes``), and one OR-Tools CP-SAT model
+(:mod:`._cpsat_model`, semantics in :mod:`._cpsat_problem`) decides jointly
+
+* the order of the nodes (a permutation of stages),
+* for each buffer that crosses nodes: keep it, re-issue it before up to
+  ``max_copies - 1`` later nodes (Moccasin's retention intervals), or copy it
+  to pinned host after it is made and prefetch it before a later node,
+
+with device memory at every stage within the budget (less ``reserve_bytes``)
+and the estimated step time as the objective: node durations from the
+target's roofline, plus re-issue time, plus the time the stream waits for
+host copies that the compute between their ends cannot hide; ties go to the
+lower peak.
+
+How it runs, within ``time_limit_s``:
+
+1. **Warm start.** Program order and the plans of the heuristic planners
+   (``greedy`` and ``chen`` by default) are mapped onto the coarse problem and
+   repaired greedily (:mod:`._cpsat_hint`) until they fit the model's memory;
+   the best becomes the solver's hint.
+2. **Fixed order.** The order of the warm start is kept and CP-SAT decides
+   remat and offload (fast; often proven optimal for that order).
+3. **Joint.** With ``allow_reorder``, the full model is solved, hinted with the
+   step-2 solution, for the rest of the time.
+4. **Check.** The solution becomes a :class:`~jaxmem.plan.Plan`; the simulator
+   (:func:`jaxmem.plan.simulate_plan`) sets ``predicted_peak_bytes`` and the
+   shared estimate (:func:`jaxmem.planners.sublinear.estimate_time_s`) sets
+   ``predicted_time_s``. The heuristic plans are scored the same way; the
+   fastest plan that fits is returned (the solver's unless a heuristic beats
+   it: then ``status="fallback: ..."``). Nothing fits: ``"over_budget"``.
+
+``lower_bound`` and ``gap`` are the solver's, on its objective: the step time
+(seconds) of the coarse model, whose durations are rounded up to ticks.
+
+Options (all optional): ``time_limit_s`` (30), ``num_workers`` (2), ``seed``
+(0), ``allow_remat`` / ``allow_offload`` / ``allow_reorder`` (True),
+``max_copies`` (2), ``max_nodes`` (60), ``reserve_bytes`` (0),
+``host_budget_bytes`` (64 GiB), ``deterministic`` (True: CP-SAT's workers
+interleave and each solve also stops at a deterministic-time limit, so the same
+inputs and seed give the same plan unless the wall clock stops a solve first,
+which the notes then say),
+``tie_blocks`` (False: equal decisions for items at the same place of repeated
+layers), ``min_decision_bytes`` (buffers smaller than this are always kept;
+default ``budget / 2000``: fewer variables, little memory left on the table),
+``heuristics`` (``("greedy", "chen")``: registered planners whose plans
+warm-start the solver and compete with its plan; ``order_dfs`` / ``order_bfs``
+may be added, at a cost of seconds to minutes on large graphs).
+
+>>> import jax, jax.numpy as jnp
+>>> from jaxmem.graph import build_graph
+>>> from jaxmem.costmodel import CostModel
+>>> g = build_graph(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) @ w)),
+...                 jnp.ones((64, 64)), jnp.ones((256, 64)))
+>>> plan = plan_cpsat(g, 1 << 30, CostModel.for_target("h100"), {"time_limit_s": 5})
+>>> plan.status, plan.predicted_peak_bytes <= plan.budget_bytes
+('ok', True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Mapping
+
+from jaxmem import plan as plan_lib
+from jaxmem.planners import _cpsat_model
+from jaxmem.planners._cpsat_hint import repair
+from jaxmem.planners._cpsat_problem import Evaluation, Schedule, evaluate
+from jaxmem.planners._registry import get, register
+from jaxmem.planners.coarsen import Coarsening, coarsen, plan_schedule, schedule_fields
+from jaxmem.planners.sublinear import estimate_time_s
+
+logger = logging.getLogger(__name__)
+
+NAME = "cpsat"
+DEFAULTS: dict[str, Any] = {
+    "time_limit_s": 30.0, "num_workers": 2, "seed": 0, "allow_remat": True,
+    "allow_offload": True, "allow_reorder": True, "max_copies": 2, "max_nodes": 60,
+    "reserve_bytes": 0, "host_budget_bytes": 64 << 30, "deterministic": True,
+    "tie_blocks": False, "min_decision_bytes": None,
+    "heuristics": ("greedy", "chen"),
+}
+# Options other callers pass to every planner (jaxmem.Config.planner_options); accepted, unused.
+_IGNORED = frozenset({"allow_state_offload"})
+# Shares of the time limit: each heuristic planner (greedy must finish to be a
+# fair warm start and rival: it takes seconds on a GPT-2 step), and (of what is
+# left) the fixed-order solve when the order may change afterwards.
+_HEURISTIC_SHARE = 0.5
+_FIXED_SHARE = 0.4
+_MIN_SOLVE_S = 1.0
+_TIME_RTOL = 1e-9
+_DECISION_FRACTION = 2000
+
+_BAD_OPTION = ("cpsat: unknown option {key!r} (value {value!r}); allowed: {allowed}. Fix: drop it "
+               "or check its spelling.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scored:
+    """A candidate plan with the simulator's peak and the estimated time."""
+
+    name: str
+    plan: plan_lib.Plan
+    peak_bytes: int
+    time_s: float
+
+
+def _options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    opts = dict(DEFAULTS)
+    for key, value in (options or {}).items():
+        if key in _IGNORED:
+            continue
+        if key not in DEFAULTS:
+            raise ValueError(_BAD_OPTION.format(key=key, value=value,
+                                                allowed=", ".join(sorted(DEFAULTS))))
+        opts[key] = value
+    if opts["time_limit_s"] is None:
+        opts["time_limit_s"] = DEFAULTS["time_limit_s"]
+    for key in ("time_limit_s",):
+        if not float(opts[key]) > 0:
+            raise ValueError(f"cpsat: {key}={opts[key]!r} must be a positive number of seconds")
+    for key in ("num_workers", "max_copies", "max_nodes"):
+        if int(opts[key]) < 1:
+            raise ValueError(f"cpsat: {key}={opts[key]!r} must be an integer >= 1")
+    if isinstance(opts["heuristics"], str):
+        opts["heuristics"] = (opts["heuristics"],)
+    return opts
+
+
+def _score(graph: Any, name: str, plan: plan_lib.Plan, cost_model: Any) -> _Scored:
+    sim = plan_lib.simulate_plan(graph, plan)
+    return _Scored(name, plan, sim.peak_bytes, estimate_time_s(graph, plan, cost_model))
+
+
+def _heuristic_options(name: str, opts: dict[str, Any]) -> dict[str, Any] | None:
+    """The options a heuristic planner accepts, or None when it cannot obey ``opts``."""
+    share = max(0.5, _HEURISTIC_SHARE * float(opts["time_limit_s"]))
+    if name == "greedy":
+        return {"allow_remat": opts["allow_remat"], "allow_offload": opts["allow_offload"],
+                "host_budget_bytes": opts["host_budget_bytes"], "time_limit_s": share}
+    if name == "chen":
+        return {} if opts["allow_remat"] else None
+    if name in ("order_bfs", "order_dfs"):
+        return {"fine_tune_s": share} if opts["allow_reorder"] else None
+    return {}
+
+
+def _heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: dict[str, Any],
+                notes: list[str]) -> list[_Scored]:
+    """Program order unchanged, and each registered heuristic planner's plan."""
+    plain = plan_lib.unplanned(graph, planner=NAME, budget_bytes=budget_bytes)
+    out = [_score(graph, "program order", plain, cost_model)]
+    for name in opts["heuristics"]:
+        sub = _heuristic_options(name, opts)
+        if sub is None:
+            continue
+        try:
+            entry = get(name)
+        except ValueError:
+            notes.append(f"heuristic {name!r} is not registered; skipped")
+            logger.info("cpsat: heuristic planner %r is not registered; skipped", name)
+            continue
+        try:
+            plan = entry.fn(graph, budget_bytes, cost_model, sub)  # type: ignore[misc]
+        except Exception as err:  # a failing heuristic must not sink the solver: report it
+            notes.append(f"heuristic {name!r} failed: {type(err).__name__}: {err}")
+            logger.warning("cpsat: heuristic planner %r failed (%s: %s); continuing without it",
+                           name, type(err).__name__, err)
+            continue
+        out.append(_score(graph, name, plan, cost_model))
+    return out
+
+
+def _warm_start(c: Coarsening, heur: list[_Scored]) -> tuple[Schedule, Evaluation, str]:
+    """The best repaired heuristic in model terms: fits first, then fastest."""
+    best = None
+    for h in heur:
+        sched, ev = repair(c.problem, plan_schedule(c, h.plan))
+        key = (ev.peak > c.problem.capacity, ev.time, ev.peak)
+        if best is None or key < best[0]:
+            best = (key, sched, ev, h.name)
+    assert best is not None
+    return best[1], best[2], best[3]
+
+
+def _solve(c: Coarsening, hint: tuple[Schedule, Evaluation], opts: dict[str, Any],
+           notes: list[str], limit: float) -> _cpsat_model.SolveResult | None:
+    """Fixed-order solve, then the joint solve (when reordering is allowed), in ``limit`` s."""
+    p = c.problem
+    kw = dict(num_workers=int(opts["num_workers"]), seed=int(opts["seed"]),
+              deterministic=bool(opts["deterministic"]))
+    limit = max(limit, _MIN_SOLVE_S)
+    fixed = dataclasses.replace(p, fixed_order=hint[0].order) if p.fixed_order is None else p
+    share = _FIXED_SHARE if p.fixed_order is None else 1.0
+    first = _cpsat_model.solve(fixed, time_limit_s=share * limit, hint=hint, **kw)
+    notes.append(f"CP-SAT, order fixed: {first.detail}")
+    if p.fixed_order is not None:
+        return first if first.schedule is not None else _failed(first, notes)
+    if first.schedule is not None:
+        hint = (first.schedule, evaluate(p, first.schedule))
+    joint = _cpsat_model.solve(p, time_limit_s=(1 - share) * limit, hint=hint, **kw)
+    notes.append(f"CP-SAT, order free: {joint.detail}")
+    if joint.schedule is None:
+        if first.schedule is not None:
+            notes.append("the joint solve found nothing better in time; kept the fixed-order "
+                         "solution (no bound on the joint problem)")
+            return dataclasses.replace(first, status="feasible", time_bound=None)
+        return _failed(joint, notes)
+    if first.time is not None and joint.time is not None and first.time < joint.time:
+        return dataclasses.replace(first, status="feasible", time_bound=joint.time_bound)
+    return joint
+
+
+def _failed(result: _cpsat_model.SolveResult, notes: list[str]) -> None:
+    notes.append(f"CP-SAT found no schedule ({result.status})")
+    return None
+
+
+def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
+               options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
+    """Plan ``graph`` under ``budget_bytes`` with CP-SAT (module docstring).
+
+    Args:
+      graph: the step's ``MemGraph``.
+      budget_bytes: device bytes the step may use.
+      cost_model: a :class:`jaxmem.costmodel.CostModel` for the target.
+      options: see the module docstring; unknown keys raise.
+
+    Returns:
+      The plan, scored by the simulator; ``status`` is ``"ok"``,
+      ``"over_budget"`` or ``"fallback: <why>"``.
+
+    Raises:
+      ValueError: an unknown option or a bad value (the message names it).
+    """
+    started = time.perf_counter()
+    opts = _options(options)
+    notes: list[str] = []
+    heur = _heuristics(graph, budget_bytes, cost_model, opts, notes)
+    c = coarsen(graph, budget_bytes, cost_model, max_nodes=int(opts["max_nodes"]),
+                reserve_bytes=int(opts["reserve_bytes"]), allow_remat=bool(opts["allow_remat"]),
+                allow_offload=bool(opts["allow_offload"]),
+                allow_reorder=bool(opts["allow_reorder"]), max_copies=int(opts["max_copies"]),
+                min_decision_bytes=int(budget_bytes // _DECISION_FRACTION
+                                       if opts["min_decision_bytes"] is None
+                                       else opts["min_decision_bytes"]),
+                tie_blocks=bool(opts["tie_blocks"]),
+                host_budget_bytes=int(opts["host_budget_bytes"]))
+    p = c.problem
+    notes.append(f"coarse problem: {len(p.nodes)} nodes from {len(graph.ops)} ops, "
+                 f"{len(p.items)} buffers ({sum(i.can_remat for i in p.items)} may be re-issued, "
+                 f"{sum(i.can_offload for i in p.items)} offloaded); tick {c.tick_s:.3g} s, "
+                 f"memory unit {c.unit_bytes} B")
+    result = None
+    if p.capacity < 0:
+        notes.append(f"inputs and constants alone take {c.fixed_bytes:,} B, more than the budget "
+                     f"less the reserve ({budget_bytes - c.reserve_bytes:,} B)")
+    else:
+        hint = _warm_start(c, heur)
+        notes.append(f"warm start from {hint[2]}: model peak {hint[1].peak} of {p.capacity} units")
+        left = float(opts["time_limit_s"]) - (time.perf_counter() - started)
+        result = _solve(c, hint[:2], opts, notes, left)
+    return _choose(graph, budget_bytes, cost_model, c, result, heur, notes, started)
+
+
+def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
+            result: _cpsat_model.SolveResult | None, heur: list[_Scored], notes: list[str],
+            started: float) -> plan_lib.Plan:
+    """The fastest plan that fits, the solver's preferred; else the lowest peak."""
+    solver = None
+    if result is not None and result.schedule is not None:
+        order, remat, offload = schedule_fields(c, result.schedule)
+        plan = plan_lib.Plan(order=order, remat=remat, offload=offload, placement={},
+                             planner=NAME, budget_bytes=budget_bytes, predicted_peak_bytes=0,
+                             predicted_time_s=None)
+        solver = _score(graph, "cpsat", plan, cost_model)
+        notes.append(f"solver's model: step time {result.time * c.tick_s:.4g} s, peak "
+                     f"{result.peak * c.unit_bytes + c.fixed_bytes:,} B (it counts memory per "
+                     f"node, so at or above the simulator's)")
+    fits = [s for s in ([solver] if solver else []) + heur if s.peak_bytes <= budget_bytes]
+    lower = gap = None
+    if result is not None and result.time_bound is not None and result.time:
+        lower = result.time_bound * c.tick_s
+        gap = max(0.0, (result.time - result.time_bound) / result.time)
+    if fits:
+        # times equal up to float rounding (sums in another order) tie: lower peak, then solver
+        fastest = min(s.time_s for s in fits) * (1 + _TIME_RTOL)
+        best = min((s for s in fits if s.time_s <= fastest),
+                   key=lambda s: (s.peak_bytes, s is not solver))
+        if best is solver:
+            status = "ok"
+            assert result is not None
+            notes.append(f"solver status {result.status}; lower bound and gap are on the "
+                         f"model's step time")
+        else:
+            why = ("the solver found no schedule" if solver is None else
+                   "the solver's plan exceeds the budget under the simulator"
+                   if solver.peak_bytes > budget_bytes else
+                   f"the solver's plan is estimated slower ({solver.time_s:.4g} s vs "
+                   f"{best.time_s:.4g} s)")
+            status = f"fallback: {best.name} plan; {why}"
+            lower = gap = None
+    else:
+        pool = ([solver] if solver else []) + heur
+        best = min(pool, key=lambda s: (s.peak_bytes, s.time_s))
+        status = "over_budget"
+        notes.append(f"no plan fits: the lowest simulated peak is {best.peak_bytes:,} B "
+                     f"({best.name}), over the budget of {budget_bytes:,} B")
+        logger.warning("cpsat: no plan fits %s B; best simulated peak %s B (%s)",
+                       f"{budget_bytes:,}", f"{best.peak_bytes:,}", best.name)
+        if best is not solver:
+            lower = gap = None
+    for s in ([solver] if solver else []) + heur:
+        notes.append(f"candidate {s.name}: simulated peak {s.peak_bytes:,} B, estimated "
+                     f"{s.time_s:.4g} s")
+    return best.plan.replace(
+        planner=NAME, budget_bytes=budget_bytes, predicted_peak_bytes=best.peak_bytes,
+        predicted_time_s=best.time_s, status=status,
+        solve_time_s=time.perf_counter() - started, lower_bound=lower, gap=gap,
+        notes=tuple(notes))
+
+
+register(NAME, plan_cpsat, "joint order, remat and offload by CP-SAT (OR-Tools), warm-started "
+         "from greedy, checked by the simulator")
