@@ -3,8 +3,24 @@
 Public surface (everything else is internal and may change):
 
     jaxmem.targets   compile targets (h100, h200 compile-only; cpu)
+    jaxmem.optimize  decorator: plan, emit and verify a train step within a budget
+    jaxmem.Config    budget, target, planner and what plans may do
+    jaxmem.Plan      a planner's decisions (order, remat, offload), JSON round trip
+    jaxmem.InfeasibleBudgetError  no plan fits (carries the smallest feasible budget)
+    jaxmem.measure   compile a step for a target: memory, FLOPs, estimated time
+    jaxmem.explain   the tensors alive at a step's predicted memory peak, in words
+    jaxmem.predict_peak_bytes   a step's predicted device bytes on a target
 """
 
 from jaxmem import targets as targets
+from jaxmem.config import Config as Config
+from jaxmem.errors import InfeasibleBudgetError as InfeasibleBudgetError
+from jaxmem.measure import Report as Report
+from jaxmem.measure import measure as measure
+from jaxmem.optimize import optimize as optimize
+from jaxmem.plan import Plan as Plan
+from jaxmem.explain import explain as explain
+from jaxmem.simulate import predict_peak_bytes as predict_peak_bytes
+from jaxmem.trace import UnsupportedConstructError as UnsupportedConstructError
 
 __version__ = "0.1.0.dev0"

@@ -16,3 +16,17 @@ from __future__ import annotations
 from jaxmem.planners._registry import Entry, get, names, peers, planners, register
 
 __all__ = ["Entry", "get", "names", "peers", "planners", "register"]
+
+from jaxmem.planners._registry import register_module as _register_module  # noqa: E402
+
+_register_module("greedy", "jaxmem.planners.greedy")
+_register_module("sublinear", "jaxmem.planners.sublinear")
+_register_module("chen", "jaxmem.planners.sublinear")
+_register_module("vdnn_all", "jaxmem.planners.vdnn")
+_register_module("vdnn_conv", "jaxmem.planners.vdnn")
+_register_module("vdnn_dynamic", "jaxmem.planners.vdnn")
+_register_module("qlearn", "jaxmem.planners.qlearn")
+_register_module("order_ilp", "jaxmem.planners.order")
+_register_module("order_bfs", "jaxmem.planners.order")
+_register_module("order_dfs", "jaxmem.planners.order")
+_register_module("cpsat", "jaxmem.planners.cpsat")

@@ -1,0 +1,187 @@
+"""What the user asks of a planned step: the budget, the target and what the plan may do.
+
+>>> cfg = Config(budget="60GiB", target="h100")
+>>> cfg.budget_bytes("h100") == 60 * 2**30
+True
+>>> Config(budget=0.5, target="h100").budget_bytes("h100") == 84_942_979_072 // 2
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Literal
+
+from jaxmem import targets as _targets
+
+TargetChoice = Literal["h100", "h200", "cpu", "auto"]
+OnOverBudget = Literal["raise", "warn"]
+TARGET_CHOICES: tuple[str, ...] = ("h100", "h200", "cpu", "auto")
+ON_OVER_BUDGET: tuple[str, ...] = ("raise", "warn")
+DEFAULT_PLANNER = "greedy"
+DEFAULT_HOST_BUDGET_BYTES = 64 << 30  # XLA's pinned-host pool on a GPU, unless raised
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+_BAD_SIZE = (
+    "{name}={value!r} is not a size: give an int of bytes, a string like '60GiB', '512MiB' or "
+    "'1.5GB' (units: {units}){fraction}")
+
+
+def parse_bytes(value: Any, name: str = "budget", memory_bytes: int | None = None) -> int:
+    """Bytes from an int, a size string (``"60GiB"``) or a fraction of ``memory_bytes``.
+
+    Raises:
+      ValueError: naming the value and the accepted forms.
+
+    >>> parse_bytes("1.5 KiB")
+    1536
+    """
+    fraction = ", or a float in (0, 1] for a fraction of the target's memory" \
+        if memory_bytes is not None else ""
+    if isinstance(value, bool):
+        raise ValueError(_BAD_SIZE.format(name=name, value=value, units=", ".join(_UNITS),
+                                          fraction=fraction))
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{name}={value} must be a positive number of bytes")
+        return value
+    if isinstance(value, float):
+        if memory_bytes is None or not 0.0 < value <= 1.0:
+            raise ValueError(_BAD_SIZE.format(name=name, value=value, units=", ".join(_UNITS),
+                                              fraction=fraction))
+        return int(value * memory_bytes)
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            nbytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            if nbytes > 0:
+                return nbytes
+    raise ValueError(_BAD_SIZE.format(name=name, value=value, units=", ".join(_UNITS),
+                                      fraction=fraction))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Options of :func:`jaxmem.optimize`.
+
+    Attributes:
+      budget: device memory the step may use: int bytes, a size string
+        (``"60GiB"``) or a float fraction of the target's memory; ``None``:
+        the target's default budget (75% of its memory, what JAX lets XLA use).
+      target: ``"h100"``, ``"h200"``, ``"cpu"`` or ``"auto"`` (the device the
+        arguments live on).
+      planner: a planner's registry name (``jaxmem.planners.planners()``).
+      host_budget: pinned host memory offloads may use (same forms as budget,
+        no fraction); default 64 GiB.
+      allow_remat / allow_offload / allow_reorder / allow_state_offload: what
+        plans may do (state offload is planned by planners that support it).
+      time_limit_s: wall time a planner may spend per planning round.
+      seed: for planners with randomness.
+      on_over_budget: ``"raise"`` an ``InfeasibleBudgetError`` when no plan
+        compiles within budget, or ``"warn"`` and run the best plan found.
+      verify_rounds: plan-compile-check rounds before giving up.
+    """
+
+    budget: int | str | float | None = None
+    target: TargetChoice = "auto"
+    planner: str = DEFAULT_PLANNER
+    host_budget: int | str = DEFAULT_HOST_BUDGET_BYTES
+    allow_remat: bool = True
+    allow_offload: bool = True
+    allow_reorder: bool = True
+    allow_state_offload: bool = False
+    time_limit_s: float = 60.0
+    seed: int = 0
+    on_over_budget: OnOverBudget = "raise"
+    verify_rounds: int = 4
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGET_CHOICES:
+            raise ValueError(f"Config(target={self.target!r}): allowed targets are "
+                             f"{', '.join(TARGET_CHOICES)}")
+        if self.budget is not None:
+            parse_bytes(self.budget, "budget", memory_bytes=1)  # form only; size per target
+        parse_bytes(self.host_budget, "host_budget")
+        for name in ("allow_remat", "allow_offload", "allow_reorder", "allow_state_offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Config({name}={getattr(self, name)!r}) must be True or False")
+        if not isinstance(self.time_limit_s, (int, float)) or isinstance(self.time_limit_s, bool) \
+                or self.time_limit_s <= 0:
+            raise ValueError(f"Config(time_limit_s={self.time_limit_s!r}) must be a positive "
+                             f"number of seconds")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"Config(seed={self.seed!r}) must be an int")
+        if self.on_over_budget not in ON_OVER_BUDGET:
+            raise ValueError(f"Config(on_over_budget={self.on_over_budget!r}): allowed values "
+                             f"are {', '.join(ON_OVER_BUDGET)}")
+        if not isinstance(self.verify_rounds, int) or self.verify_rounds < 1:
+            raise ValueError(f"Config(verify_rounds={self.verify_rounds!r}) must be an int >= 1")
+        _check_planner(self.planner)
+
+    def resolve_target(self, args: Any = ()) -> _targets.Target:
+        """The target: the named one, or for ``"auto"`` the device the arguments live on."""
+        if self.target != "auto":
+            return _targets.get(self.target)
+        return target_of(args)
+
+    def budget_bytes(self, target: "str | _targets.Target") -> int:
+        """The device budget in bytes on ``target``."""
+        t = _targets.get(target)
+        if self.budget is None:
+            return t.default_budget_bytes
+        return parse_bytes(self.budget, "budget", memory_bytes=t.memory_bytes)
+
+    @property
+    def host_budget_bytes(self) -> int:
+        return parse_bytes(self.host_budget, "host_budget")
+
+    def planner_options(self) -> dict[str, Any]:
+        """The options every planner receives."""
+        return {"allow_remat": self.allow_remat, "allow_offload": self.allow_offload,
+                "allow_reorder": self.allow_reorder,
+                "allow_state_offload": self.allow_state_offload,
+                "host_budget_bytes": self.host_budget_bytes, "time_limit_s": self.time_limit_s,
+                "seed": self.seed}
+
+
+def _check_planner(name: str) -> None:
+    from jaxmem import planners
+
+    try:
+        entry = planners.get(name)
+    except ValueError:
+        raise ValueError(f"Config(planner={name!r}) is not a registered planner; planners: "
+                         f"{', '.join(planners.planners())}") from None
+    if entry.kind != "planner" or entry.fn is None:
+        raise ValueError(f"Config(planner={name!r}) names a peer policy, which the zoo applies "
+                         f"per block with jax.checkpoint; it cannot plan a traced step. "
+                         f"Planners: {', '.join(planners.planners())}")
+
+
+def target_of(args: Any) -> _targets.Target:
+    """The target of the first array argument's device (``"auto"``); the CPU without one.
+
+    Raises:
+      ValueError: the arguments live on a GPU jaxmem has no target for.
+    """
+    import jax
+
+    device = None
+    for leaf in jax.tree_util.tree_leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and getattr(sharding, "device_set", None):
+            device = next(iter(sharding.device_set))
+            break
+    if device is None or device.platform == "cpu":
+        return _targets.get("cpu")
+    kind = str(getattr(device, "device_kind", "")).upper()
+    for name in ("h200", "h100"):
+        if name.upper() in kind:
+            return _targets.get(name)
+    raise ValueError(f"target='auto' found the arguments on {device.device_kind!r} "
+                     f"({device.platform}), which jaxmem has no target for; known targets: "
+                     f"{', '.join(_targets.names())}. Pass Config(target=...) explicitly.")

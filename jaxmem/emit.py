@@ -1,0 +1,383 @@
+"""The emitter: turn a traced step and a :class:`~jaxmem.plan.Plan` into a step XLA compiles.
+
+The flat jaxpr of the step is re-interpreted equation by equation, in the
+plan's order, each primitive re-bound with its own parameters under its source
+line and name stack (so profiles and errors still point at the user's code).
+Left alone, XLA would undo the plan: it CSEs a recomputation with the
+original, hoists it to where the original ran, defers a device-to-host copy to
+just before the copy back, and pushes weight-gradient matmuls to the end of the
+backward pass (DESIGN.md §3). So the emitter pins the plan with data
+dependencies through ``jax.lax.optimization_barrier``:
+
+* **remat**: the re-issued equation reads its inputs through a barrier shared
+  with the values the next op of the order reads, so it is a fresh
+  computation that cannot run before that op's inputs exist;
+* **offload**: ``jax.device_put(x, Space.Host)`` right after ``x`` is produced;
+  the host copy goes through a barrier with an input of the next op, so the
+  copy completes there and the device buffer can die; the prefetch
+  ``jax.device_put(h, Space.Device)`` reads the host copy through a barrier
+  with the inputs of the op it is scheduled before, so it does not run early;
+* **order**: equations are emitted in the plan's order; ops whose results
+  only reach the step's outputs a few ops later (weight gradients, optimizer
+  updates) are tied into the next op of the main chain, so XLA's GPU
+  scheduler cannot push them (and the buffers they read) to the end.
+
+Only values XLA really allocates are tied (a barrier on a fused value would
+force it into memory). Outputs, their pytree and donation are unchanged; the
+emitted function is not jitted: :func:`jaxmem.optimize` jits it with the
+step's static and donated arguments.
+
+>>> import jax, jax.numpy as jnp
+>>> from jaxmem import trace
+>>> prog = trace.trace(lambda w, x: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w),
+...                    jnp.ones((4, 4)), jnp.ones((2, 4)))
+>>> step = emit(prog)           # no plan: the program as traced
+>>> bool((jax.jit(step)(jnp.ones((4, 4)), jnp.ones((2, 4))) != 0).all())
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Iterator, Literal, Sequence
+
+import jax
+from jax.extend import core as jcore
+from jax.extend import source_info_util
+
+from jaxmem import plan as plan_lib
+
+logger = logging.getLogger(__name__)
+
+PinMode = Literal["auto", "none", "sinks"]
+PIN_MODES: tuple[str, ...] = ("auto", "none", "sinks")
+
+_HOST_PLACEMENT = (
+    "the plan places inputs {tensors} on pinned host, which this emitter does not do yet: "
+    "state placement needs the step's arguments and outputs in host memory (issue 9). "
+    "Plan with Config(allow_state_offload=False), or drop the placement from the plan.")
+
+_WRONG_ARGS = (
+    "the emitted step was traced with arguments of structure {expected} but was called "
+    "with {got}; call it with the same (dynamic) arguments as the traced step")
+
+
+def emit(graph_or_program: Any, plan: plan_lib.Plan | None = None, *,
+         pin: PinMode = "auto") -> Callable[..., Any]:
+    """The step that executes ``plan``: a plain (not jitted) function.
+
+    Args:
+      graph_or_program: a ``MemGraph`` (sizes and materialization steer the
+        barriers) or a bare ``Program`` (every value treated as materialized).
+      plan: the plan; ``None`` re-emits the program unchanged (program order).
+      pin: ``"sinks"`` ties tail ops (weight gradients, updates) into the next
+        op of the main chain; ``"none"`` adds only the remat/offload barriers;
+        ``"auto"`` pins when the plan remats or offloads anything.
+
+    Returns:
+      ``step(*args, **kwargs)`` taking the traced step's dynamic arguments and
+      returning its outputs with the same pytree. ``step.schedule`` is the
+      :class:`~jaxmem.plan.Schedule` it executes.
+
+    Raises:
+      ValueError: for a plan that does not fit the program, one that places
+        inputs on pinned host (not emitted yet), or an unknown ``pin``.
+    """
+    if pin not in PIN_MODES:
+        raise ValueError(f"pin={pin!r} is not one of {PIN_MODES}")
+    program = getattr(graph_or_program, "program", graph_or_program)
+    view = plan_lib.view(graph_or_program)
+    if plan is None:
+        plan = plan_lib.Plan(order=tuple(range(view.n_ops)), remat={}, offload={}, placement={},
+                             planner="none", budget_bytes=0, predicted_peak_bytes=0,
+                             predicted_time_s=None)
+    on_host = sorted(t for t, where in plan.placement.items() if where != "device")
+    if on_host:
+        raise ValueError(_HOST_PLACEMENT.format(tensors=on_host[:8]))
+    schedule = plan_lib.build_schedule(view, plan)
+    changes = bool(plan.remat or plan.offload)
+    sink = _tail_ops(view)
+    pinning = pin == "sinks" or (pin == "auto" and changes)
+    pins = _pin_ops(view, sink) if pinning else frozenset()
+    scopes = _checkpoint_scopes(program, schedule)
+    interpreter = _Interpreter(program, schedule, pins, sink, scopes)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        flat, tree = jax.tree_util.tree_flatten((args, kwargs))
+        if tree != program.in_tree:
+            raise TypeError(_WRONG_ARGS.format(expected=program.in_tree, got=tree))
+        return jax.tree_util.tree_unflatten(program.out_tree, interpreter.run(flat))
+
+    step.schedule = schedule  # type: ignore[attr-defined]
+    step.plan = plan  # type: ignore[attr-defined]
+    return step
+
+
+### What to pin
+
+
+LAYOUT_PRIMITIVES = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim",
+                               "convert_element_type", "copy", "copy_p"})
+
+# An op whose results reach the step's outputs within this many ops is a *tail*
+# op (a weight gradient and its transpose, an optimizer update, the loss).
+TAIL_OPS = 4
+
+
+def _tail_ops(view: plan_lib.View) -> frozenset[int]:
+    """Ops at most :data:`TAIL_OPS` ops away from the outputs by every path.
+
+    Everything in a gradient step flows to its outputs eventually; what XLA
+    delays is the short branches off the main chain: a weight gradient has
+    nothing after it but a transpose and the output, while the input gradient
+    it sits beside feeds the whole rest of the backward pass.
+    """
+    readers: list[list[int]] = [[] for _ in range(view.n_tensors)]
+    for op in range(view.n_ops):
+        for t in view.inputs_of(op):
+            readers[t].append(op)
+    height = [0] * view.n_ops
+    for op in reversed(range(view.n_ops)):
+        height[op] = max((height[r] + 1 for t in view.out_slots[op] if t is not None
+                          for r in readers[t]), default=0)
+    return frozenset(op for op in range(view.n_ops) if height[op] <= TAIL_OPS)
+
+
+def _pin_ops(view: plan_lib.View, sink: frozenset[int]) -> frozenset[int]:
+    """Ops whose materialized results are tied into the next op of the main chain.
+
+    XLA may run a tail op at any time and its GPU scheduler runs them last,
+    keeping their inputs alive; the tail ops that read a value of the main
+    chain are pinned. Other ops are emitted in the plan's order but not tied:
+    every tie changes what XLA's simplifier and fusion see around the tied
+    value, and with it the order a fused reduction adds in, so results would
+    no longer be bitwise equal to the plain step on the CPU.
+    """
+    def real(op: int) -> bool:
+        return any(view.materialized[t] for t in view.out_slots[op] if t is not None)
+
+    readers: dict[int, list[int]] = {}
+    for op in range(view.n_ops):
+        for t in view.inputs_of(op):
+            readers.setdefault(t, []).append(op)
+
+    def chain_end(op: int) -> int:
+        # Tie the end of a single-reader layout chain (dot -> transpose -> output): an
+        # extra reader of the dot itself would stop XLA folding the transpose into it,
+        # which changes the arithmetic XLA emits and so the bits of the result.
+        while True:
+            outs = [t for t in view.out_slots[op] if t is not None]
+            nxt = readers.get(outs[0], []) if len(outs) == 1 else []
+            if len(nxt) != 1 or view.primitives[nxt[0]] not in LAYOUT_PRIMITIVES:
+                return op
+            op = nxt[0]
+
+    pins = {op for op in sink if real(op) and any(
+        view.producer[t] is not None and view.producer[t] not in sink for t in view.inputs_of(op))}
+    return frozenset(end for end in map(chain_end, pins) if real(end))
+
+
+def _checkpoint_scopes(program: Any, schedule: plan_lib.Schedule) -> dict[int, int]:
+    """Event index -> ``jax.checkpoint`` scope whose backward recomputation starts there.
+
+    Inlining a ``jax.checkpoint`` call drops the barrier JAX puts on the
+    inputs of its recomputation; without it XLA CSEs the recomputation with the
+    forward pass and the user's checkpoint saves nothing. The emitter puts the
+    barrier back at the first event of each scope that runs in the backward pass.
+    """
+    scopes = tuple(getattr(program, "remat_scopes", ()) or ())
+    if not scopes:
+        return {}
+    # A scope recomputes when it runs in the backward pass: after the first backward
+    # equation (its own equations may carry forward name stacks: they recompute them).
+    start = next((k for k, phase in enumerate(program.phases) if phase == "backward"), len(scopes))
+    backward = {s for k, s in enumerate(scopes) if s is not None and k > start}
+    first: dict[int, int] = {}
+    for i, ev in enumerate(schedule.events):
+        if ev.kind == "op" and scopes[ev.op] in backward and scopes[ev.op] not in first.values():
+            first[i] = scopes[ev.op]  # type: ignore[assignment]
+    return first
+
+
+### The interpreter
+
+
+@contextlib.contextmanager
+def _equation_context(eqn: jcore.JaxprEqn) -> Iterator[None]:
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        with eqn.ctx.manager:
+            yield
+
+
+def _bind(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with _equation_context(eqn):
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _barrier(values: list[Any]) -> list[Any]:
+    return list(jax.lax.optimization_barrier(values)) if values else values
+
+
+class _Interpreter:
+    """Executes a :class:`~jaxmem.plan.Schedule` on traced values (one call per trace)."""
+
+    def __init__(self, program: Any, schedule: plan_lib.Schedule, pins: frozenset[int],
+                 sink: frozenset[int], scope_starts: dict[int, int]) -> None:
+        self.program = program
+        self.schedule = schedule
+        self.view = schedule.view
+        self.pins = pins
+        self.sink = sink
+        self.split = frozenset(t for t in schedule.remat_keys if t < schedule.view.n_tensors)
+        self.scope_starts = scope_starts
+        self.scopes = tuple(getattr(program, "remat_scopes", ()) or ())
+        jaxpr = program.jaxpr.jaxpr
+        self.eqns = jaxpr.eqns
+        self.consts = dict(zip(jaxpr.constvars, program.jaxpr.consts))
+        self.outvars = jaxpr.outvars
+        # Versions the events of each checkpoint scope read from outside it.
+        self.scope_inputs = self._scope_inputs()
+
+    def _scope_inputs(self) -> dict[int, list[int]]:
+        if not self.scope_starts:
+            return {}
+        produced_at: dict[int, int] = {}
+        for i, ev in enumerate(self.schedule.events):
+            for w in ev.writes:
+                if w is not None:
+                    produced_at[w] = i
+        out: dict[int, list[int]] = {}
+        for start, scope in self.scope_starts.items():
+            reads: dict[int, None] = {}
+            for i, ev in enumerate(self.schedule.events):
+                if ev.kind != "op" or self.scopes[ev.op] != scope:
+                    continue
+                for r in ev.reads:
+                    p = produced_at.get(r, -1) if r is not None else None
+                    if r is not None and p < start:  # all of them, as JAX's own remat barrier
+                        reads[r] = None
+            out[scope] = list(reads)
+        return out
+
+    def _atom(self, op: int, slot: int, version: int | None, env: dict[int, Any]) -> Any:
+        if version is not None:
+            return env[version]
+        atom = self.eqns[op].invars[slot]
+        return atom.val if isinstance(atom, jcore.Literal) else self.consts[atom]
+
+    def _real(self, version: int) -> bool:
+        return version not in self.schedule.roots
+
+    def run(self, flat_args: Sequence[Any]) -> list[Any]:
+        view, events = self.view, self.schedule.events
+        env: dict[int, Any] = dict(enumerate(flat_args))
+        host: dict[int, Any] = {}
+        pending_host: list[int] = []      # offloaded tensors whose copy must finish before the next op
+        pending_pins: list[int] = []      # versions to tie into the next op
+        scope_env: dict[int, dict[int, Any]] = {}
+        last_real: int | None = None
+        i = 0
+        while i < len(events):
+            at = events[i].at
+            j = i
+            while j < len(events) and not (events[j].kind == "op"):
+                j += 1
+            before, op_event = events[i:j], events[j]
+            k = j + 1
+            while k < len(events) and events[k].kind == "offload" and events[k].at == at:
+                k += 1
+            after = events[j + 1:k]
+
+            # Barrier at this op: pending copies/pins, prefetch sources, remat inputs, and the op's inputs.
+            made_here = {w for ev in before for w in ev.writes if w is not None}
+            # Everything a re-issue reads from before this point goes through the barrier
+            # (fused inputs are re-issued here too, from barriered roots).
+            remat_reads = [r for ev in before if ev.kind in ("remat", "fused") for r in ev.reads
+                           if r is not None and r not in made_here and self._real(r)]
+            if not any(ev.kind == "remat" for ev in before):
+                remat_reads = []
+            prefetch = [t for ev in before if ev.kind == "prefetch" for t in ev.tensors]
+            op_reads = [r for r in dict.fromkeys(op_event.reads)
+                        if r is not None and self._real(r) and r not in made_here]
+            delay_ties: list[int] = []
+            if remat_reads or prefetch:
+                delay_ties = [r for r in op_reads if self.schedule.tensor(r) >= view.n_inputs]
+                if not delay_ties and last_real is not None:
+                    delay_ties = [last_real]
+            # Pending copies and pins block the next op of the main chain (not a sink
+            # op, which may itself wait, nor one that only reads the pinned values).
+            block_ties = [r for r in op_reads if r not in pending_pins]
+            blocking = op_event.op not in self.sink and bool(block_ties or made_here)
+            carry = bool(pending_host or pending_pins) and not blocking
+            if carry or not (pending_host or pending_pins):
+                block_ties = []
+            ties = list(dict.fromkeys(remat_reads + delay_ties + block_ties))
+            hosts = prefetch + ([] if carry else pending_host)
+            pinned = [] if carry else pending_pins
+            if ties or hosts:
+                versions = list(dict.fromkeys(ties + [p for p in pinned if p not in ties]))
+                out = _barrier([host[t] for t in hosts] + [env[v] for v in versions])
+                for t, value in zip(hosts, out):
+                    host[t] = value
+                for v, value in zip(versions, out[len(hosts):]):
+                    env[v] = value
+            if not carry:
+                pending_host, pending_pins = [], []
+
+            for ev in before:
+                if ev.kind == "prefetch":
+                    (t,), (w,) = ev.tensors, ev.writes
+                    env[w] = jax.device_put(host[t], jax.memory.Space.Device)
+                else:  # remat / fused: re-issue the producer equation
+                    self._issue(ev, env)
+
+            scope = self.scope_starts.get(j)
+            if scope is not None:
+                ins = [v for v in self.scope_inputs[scope] if v in env]
+                scope_env[scope] = dict(zip(ins, _barrier([env[v] for v in ins])))
+            self._issue(op_event, env, scope_env.get(self.scopes[op_event.op]) if self.scopes else None)
+            outs = [w for w in op_event.writes if w is not None and self._real(w)]
+            if outs:
+                last_real = outs[0]
+            # A re-issued tensor keeps fewer readers of its first copy; keep that copy a
+            # buffer as it was, or XLA fuses it into a lone reader and a fused reduction
+            # may sum in another order (results would no longer be bitwise equal).
+            kept = [w for w in outs if w in self.split]
+            if kept:
+                for w, value in zip(kept, _barrier([env[w] for w in kept])):
+                    env[w] = value
+            if op_event.op in self.pins:
+                pending_pins.extend(outs)
+            for ev in after:
+                (t,) = ev.tensors
+                host[t] = jax.device_put(env[ev.reads[0]], jax.memory.Space.Host)
+                pending_host.append(t)
+            i = k
+
+        results = []
+        for slot, version in enumerate(self.schedule.final):
+            atom = self.outvars[slot]
+            if version is not None:
+                results.append(env[version])
+            else:
+                results.append(atom.val if isinstance(atom, jcore.Literal) else self.consts[atom])
+        return results
+
+    def _issue(self, ev: plan_lib.Event, env: dict[int, Any],
+               scope_env: dict[int, Any] | None = None) -> None:
+        op = ev.op
+        assert op is not None
+        invals = []
+        for slot, r in enumerate(ev.reads):
+            if r is not None and scope_env is not None and r in scope_env:
+                invals.append(scope_env[r])
+            else:
+                invals.append(self._atom(op, slot, r, env))
+        outs = _bind(self.eqns[op], invals)
+        for w, value in zip(ev.writes, outs):
+            if w is not None:
+                env[w] = value

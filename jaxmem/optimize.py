@@ -1,0 +1,476 @@
+"""``@jaxmem.optimize``: plan, emit and verify a train step, then run it like ``jax.jit``.
+
+>>> import jax, jax.numpy as jnp, jaxmem
+>>> @jaxmem.optimize(config=jaxmem.Config(budget="1GiB", target="cpu"))
+... def step(w, x):
+...     return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+>>> g = step(jnp.ones((8, 8)), jnp.ones((4, 8)))
+>>> step.plan(jnp.ones((8, 8)), jnp.ones((4, 8))).status
+'ok'
+
+For each abstract signature of the arguments (shapes, dtypes, shardings and
+static values, as ``jax.jit`` caches) the step is traced, analysed and
+planned, the plan is emitted and compiled for the target, and the compiled
+device bytes (temp + arguments + outputs - aliased) are checked against the
+budget. Over budget, the planner's budget is tightened by the observed
+prediction error and the step re-planned, for a bounded number of rounds;
+when nothing fits, :class:`~jaxmem.errors.InfeasibleBudgetError` names the
+budget, the best compiled footprint and the smallest budget that would fit.
+Steps using constructs jaxmem refuses run unplanned (plain ``jax.jit``) with
+a warning naming the construct and its source line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+from typing import Any, Callable, Sequence
+
+import jax
+
+from jaxmem import emit as emit_lib
+from jaxmem import graph as graph_lib
+from jaxmem import plan as plan_lib
+from jaxmem import targets as targets_lib
+from jaxmem import trace as trace_lib
+from jaxmem.config import Config
+from jaxmem.errors import InfeasibleBudgetError
+
+logger = logging.getLogger(__name__)
+
+_MiB = float(1 << 20)
+
+_UNHASHABLE = (
+    "static argument {where} of {name} is a {kind}, which is not hashable; jaxmem caches one "
+    "plan per static value as jax.jit does. Pass a hashable value (a tuple instead of a list), "
+    "or make the argument dynamic.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """One plan-compile-check round of the verify loop."""
+
+    planner_budget_bytes: int
+    plan: plan_lib.Plan
+    compiled_bytes: int
+    host_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheInfo:
+    """How much work a decorated step has done.
+
+    Attributes:
+      entries: abstract signatures planned and verified.
+      plans: planner calls.
+      compiles: compiles for the target in the verify loop.
+      fallbacks: signatures run unplanned (unsupported constructs).
+    """
+
+    entries: int
+    plans: int
+    compiles: int
+    fallbacks: int
+
+
+@dataclasses.dataclass
+class _Entry:
+    target: targets_lib.Target
+    plan: plan_lib.Plan | None
+    run: Callable[..., Any]
+    jitted: Any
+    rounds: tuple[Round, ...] = ()
+    graph: Any = None
+    fallback: str | None = None
+
+
+### Verify loop
+
+
+def device_bytes(compiled: jax.stages.Compiled) -> tuple[int, int]:
+    """Device and host bytes of a compiled step: temp + arguments + outputs - aliased."""
+    m = compiled.memory_analysis()
+    if m is None:
+        raise RuntimeError("XLA gave no memory analysis for the compiled step; jaxmem needs it "
+                           "to verify plans")
+    device = (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+              - m.alias_size_in_bytes)
+    host = (m.host_temp_size_in_bytes + m.host_argument_size_in_bytes
+            + m.host_output_size_in_bytes - m.host_alias_size_in_bytes)
+    return int(device), int(host)
+
+
+def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args: Sequence[Any],
+           donate_argnums: tuple[int, ...], counters: dict[str, int] | None = None
+           ) -> tuple[plan_lib.Plan, Any, jax.stages.Compiled, tuple[Round, ...]]:
+    """Plan, emit and compile until the compiled step fits the budget.
+
+    Args:
+      graph: the step's ``MemGraph``.
+      config: budget, planner and options.
+      target: where to compile.
+      abstract_args: the step's dynamic arguments as ``ShapeDtypeStruct``s
+        placed on the target.
+      donate_argnums: donated positions among them.
+      counters: optional ``{"plans": n, "compiles": n}`` to increment.
+
+    Returns:
+      The accepted plan, its jitted emitted step, its compiled form and every round.
+
+    Raises:
+      InfeasibleBudgetError: no round fits and ``config.on_over_budget == "raise"``.
+    """
+    from jaxmem import planners
+    from jaxmem.costmodel import CostModel
+
+    counters = counters if counters is not None else {}
+    planner = planners.get(config.planner).fn
+    cost_model = CostModel.for_target(target)
+    options = config.planner_options()
+    budget = config.budget_bytes(target)
+    internal = budget
+    rounds: list[Round] = []
+    built: list[tuple[Any, jax.stages.Compiled]] = []
+    seen: set[str] = set()
+    for _ in range(config.verify_rounds):
+        plan = planner(graph, internal, cost_model, options)
+        counters["plans"] = counters.get("plans", 0) + 1
+        decisions = plan.replace(budget_bytes=0, predicted_peak_bytes=0, predicted_time_s=None,
+                                 status="ok", solve_time_s=0.0, notes=()).to_json()
+        if decisions in seen:
+            logger.info("planner %s returned the same plan at budget %.1f MiB; stopping",
+                        config.planner, internal / _MiB)
+            break
+        seen.add(decisions)
+        jitted = jax.jit(emit_lib.emit(graph, plan), donate_argnums=donate_argnums)
+        compiled = jitted.lower(*abstract_args).compile(compiler_options=target.compiler_options)
+        counters["compiles"] = counters.get("compiles", 0) + 1
+        dev, host = device_bytes(compiled)
+        rounds.append(Round(internal, plan, dev, host))
+        built.append((jitted, compiled))
+        logger.info("round %d: planner budget %.1f MiB, predicted %.1f MiB, compiled %.1f MiB "
+                    "device + %.1f MiB host on %s (budget %.1f MiB)", len(rounds),
+                    internal / _MiB, plan.predicted_peak_bytes / _MiB, dev / _MiB, host / _MiB,
+                    target.name, budget / _MiB)
+        if dev <= budget:
+            break
+        error = dev - plan.predicted_peak_bytes
+        tighter = budget - error if error > 0 else internal - (dev - budget)
+        if tighter >= internal:
+            tighter = internal - (dev - budget)
+        internal = tighter
+        if internal <= 0:
+            break
+    best = min(range(len(rounds)), key=lambda i: rounds[i].compiled_bytes)
+    chosen = rounds[best]
+    notes = (*chosen.plan.notes,
+             f"verified on {target.name}: {chosen.compiled_bytes / _MiB:,.1f} MiB device + "
+             f"{chosen.host_bytes / _MiB:,.1f} MiB host compiled, round {best + 1} of "
+             f"{len(rounds)}")
+    if chosen.compiled_bytes <= budget:
+        plan = chosen.plan.replace(status="ok", budget_bytes=budget, notes=notes)
+        return plan, built[best][0], built[best][1], tuple(rounds)
+    tried = "; ".join(f"planner budget {r.planner_budget_bytes / _MiB:,.1f} MiB -> compiled "
+                      f"{r.compiled_bytes / _MiB:,.1f} MiB" for r in rounds)
+    if config.on_over_budget == "warn":
+        logger.warning("no plan fits the budget of %.1f MiB on %s; running the best plan "
+                       "(%.1f MiB). Tried: %s", budget / _MiB, target.name,
+                       chosen.compiled_bytes / _MiB, tried)
+        plan = chosen.plan.replace(status="over_budget", budget_bytes=budget, notes=notes)
+        return plan, built[best][0], built[best][1], tuple(rounds)
+    raise InfeasibleBudgetError(budget, chosen.compiled_bytes, chosen.compiled_bytes,
+                                detail=f"planner {config.planner!r} on {target.name}: {tried}")
+
+
+### The decorator
+
+
+def optimize(fun: Callable[..., Any] | None = None, *, config: Config | None = None,
+             static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
+             donate_argnums: int | Sequence[int] = (), donate_argnames: str | Sequence[str] = ()
+             ) -> Any:
+    """Make a train step fit its memory budget (a drop-in for ``jax.jit``).
+
+    Usable bare (``@jaxmem.optimize``) or with arguments
+    (``@jaxmem.optimize(config=jaxmem.Config(budget="60GiB"), donate_argnums=0)``).
+
+    Args:
+      fun: the step (forward, ``jax.grad`` and update in one function).
+      config: budget, target, planner and options (default ``Config()``).
+      static_argnums / static_argnames: static arguments, as for ``jax.jit``.
+      donate_argnums / donate_argnames: donated arguments, as for ``jax.jit``.
+
+    Returns:
+      An :class:`Optimized` step: call it like the function; ``.plan(*args)``,
+      ``.lower(*args)``, ``.measure(*args)``, ``.cache_info()``, ``__wrapped__``.
+    """
+    if fun is None:
+        return functools.partial(optimize, config=config, static_argnums=static_argnums,
+                                 static_argnames=static_argnames, donate_argnums=donate_argnums,
+                                 donate_argnames=donate_argnames)
+    if not callable(fun):
+        raise TypeError(f"jaxmem.optimize needs a function; got {type(fun).__name__}. Use "
+                        f"@jaxmem.optimize or @jaxmem.optimize(config=...).")
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a jaxmem.Config; got {type(config).__name__}. Fix: "
+                        f"config=jaxmem.Config(budget='60GiB', target='h100').")
+    return Optimized(fun, config or Config(), static_argnums, static_argnames, donate_argnums,
+                     donate_argnames)
+
+
+def _tuple(x: Any, kind: type) -> tuple[Any, ...]:
+    return (x,) if isinstance(x, kind) else tuple(x)
+
+
+class Optimized:
+    """A step planned to fit its budget; see :func:`optimize`."""
+
+    def __init__(self, fun: Callable[..., Any], config: Config,
+                 static_argnums: Any = (), static_argnames: Any = (),
+                 donate_argnums: Any = (), donate_argnames: Any = ()) -> None:
+        self.fun = fun
+        self.config = config
+        nums, names = _infer(fun, _tuple(static_argnums, int), _tuple(static_argnames, str))
+        self.static_argnums, self.static_argnames = nums, names
+        self.donate_argnums, self.donate_argnames = _infer(
+            fun, _tuple(donate_argnums, int), _tuple(donate_argnames, str))
+        both = set(self.static_argnums) & set(self.donate_argnums)
+        if both:
+            raise ValueError(f"arguments {sorted(both)} are both static and donated; a static "
+                             f"argument has no buffer to donate")
+        functools.update_wrapper(self, fun)
+        self._entries: dict[Any, _Entry] = {}
+        self._plans: dict[Any, plan_lib.Plan] = {}
+        self._counters: dict[str, int] = {"plans": 0, "compiles": 0, "fallbacks": 0}
+
+    def __repr__(self) -> str:
+        return f"<jaxmem.optimize({getattr(self.fun, '__qualname__', self.fun)}, {self.config})>"
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return self
+        return _Bound(self, instance)
+
+    def _as_method(self) -> "Optimized":
+        """This step with argument 0 (the instance, wrapped in ``_Static``) static; made once."""
+        method = self.__dict__.get("_method")
+        if method is None:
+            fun = self.fun
+
+            def call(instance: _Static, *args: Any, **kwargs: Any) -> Any:
+                return fun(instance.value, *args, **kwargs)
+
+            functools.update_wrapper(call, fun)
+            method = Optimized(call, self.config, (0, *self.static_argnums), self.static_argnames,
+                               self.donate_argnums, self.donate_argnames)
+            method._counters = self._counters
+            self.__dict__["_method"] = method
+        return method
+
+    # ### Public surface
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key, dyn, rebuild = self._split(args, kwargs)
+        return self._entry(key, dyn, rebuild).run(*dyn)
+
+    def plan(self, *args: Any, **kwargs: Any) -> plan_lib.Plan:
+        """The plan for these arguments (traced and planned, not compiled or verified)."""
+        key, dyn, rebuild = self._split(args, kwargs)
+        if key in self._entries and self._entries[key].plan is not None:
+            return self._entries[key].plan  # type: ignore[return-value]
+        if key not in self._plans:
+            from jaxmem import planners
+            from jaxmem.costmodel import CostModel
+
+            target = self.config.resolve_target(dyn)
+            graph = self._graph(dyn, rebuild, target)
+            plan = planners.get(self.config.planner).fn(
+                graph, self.config.budget_bytes(target), CostModel.for_target(target),
+                self.config.planner_options())
+            self._counters["plans"] += 1
+            self._plans[key] = plan
+        return self._plans[key]
+
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """The emitted (planned and verified) step lowered for these arguments."""
+        key, dyn, rebuild = self._split(args, kwargs)
+        return self._entry(key, dyn, rebuild).jitted.lower(*dyn)
+
+    def measure(self, *args: Any, target: Any = None) -> Any:
+        """``jaxmem.measure`` of the planned step on ``target`` (default: the config's)."""
+        from jaxmem.measure import measure
+
+        key, dyn, _ = self._split(args, {})
+        if target is None:
+            target = self.config.resolve_target(dyn)
+        return measure(self, *args, target=target)
+
+    def cache_info(self) -> CacheInfo:
+        """Signatures planned so far, planner calls, verify compiles and fallbacks."""
+        return CacheInfo(entries=len(self._entries), plans=self._counters["plans"],
+                         compiles=self._counters["compiles"],
+                         fallbacks=self._counters["fallbacks"])
+
+    def rounds(self, *args: Any, **kwargs: Any) -> tuple[Round, ...]:
+        """The verify rounds of these arguments' signature (plans, compiled bytes)."""
+        key, dyn, rebuild = self._split(args, kwargs)
+        return self._entry(key, dyn, rebuild).rounds
+
+    # ### Internals
+
+    def _split(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> tuple[Any, tuple[Any, ...], Callable[..., Any]]:
+        """The cache key, the dynamic arguments (positional, kwargs last) and a rebuilding fn."""
+        n = len(args)
+        static = sorted({i % n for i in self.static_argnums if -n <= i < n})
+        dyn_pos = [i for i in range(n) if i not in static]
+        kw_static = sorted(k for k in kwargs if k in self.static_argnames)
+        kw_dyn = sorted(k for k in kwargs if k not in self.static_argnames)
+        static_values = []
+        for where, value in [*((i, args[i]) for i in static), *((k, kwargs[k]) for k in kw_static)]:
+            try:
+                hash(value)
+            except TypeError:
+                raise ValueError(_UNHASHABLE.format(where=where, kind=type(value).__name__,
+                                                    name=getattr(self.fun, "__name__", "step"))
+                                 ) from None
+            static_values.append((where, value))
+        dyn = tuple(args[i] for i in dyn_pos) + tuple(kwargs[k] for k in kw_dyn)
+        leaves, tree = jax.tree_util.tree_flatten(dyn)
+        key = (n, tuple(static_values), tuple(kw_dyn), tree, tuple(map(_leaf_key, leaves)))
+        fun = self.fun
+        fixed_args = {i: args[i] for i in static}
+        fixed_kwargs = {k: kwargs[k] for k in kw_static}
+
+        def rebuild(*dyn_values: Any) -> Any:
+            values = iter(dyn_values[:len(dyn_pos)])
+            full = [fixed_args[i] if i in fixed_args else next(values) for i in range(n)]
+            kw = dict(fixed_kwargs, **dict(zip(kw_dyn, dyn_values[len(dyn_pos):])))
+            return fun(*full, **kw)
+
+        rebuild.__name__ = getattr(fun, "__name__", "step")
+        donated = tuple(j for j, i in enumerate(dyn_pos) if i in {d % n for d in self.donate_argnums
+                                                                   if -n <= d < n})
+        donated += tuple(len(dyn_pos) + j for j, k in enumerate(kw_dyn) if k in self.donate_argnames)
+        rebuild.donated = donated  # type: ignore[attr-defined]
+        return key, dyn, rebuild
+
+    def _graph(self, dyn: tuple[Any, ...], rebuild: Any, target: targets_lib.Target) -> Any:
+        program = trace_lib.trace(rebuild, *dyn, donate_argnums=rebuild.donated)
+        return graph_lib.analyse(program, target.name)
+
+    def _entry(self, key: Any, dyn: tuple[Any, ...], rebuild: Any) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._build(dyn, rebuild)
+            self._entries[key] = entry
+        return entry
+
+    def _build(self, dyn: tuple[Any, ...], rebuild: Any) -> _Entry:
+        target = self.config.resolve_target(dyn)
+        donated = rebuild.donated
+        try:
+            graph = self._graph(dyn, rebuild, target)
+        except trace_lib.UnsupportedConstructError as err:
+            self._counters["fallbacks"] += 1
+            logger.warning("jaxmem.optimize(%s): %s -- running the step unplanned (plain "
+                           "jax.jit)", rebuild.__name__, err)
+            jitted = jax.jit(rebuild, donate_argnums=donated)
+            return _Entry(target=target, plan=None, run=jitted, jitted=jitted, fallback=str(err))
+        abstract = _abstract(dyn, target)
+        plan, jitted, compiled, rounds = verify(graph, self.config, target, abstract, donated,
+                                                self._counters)
+        run = compiled if _runs_here(dyn, target) else jitted
+        logger.info("jaxmem.optimize(%s): %s", rebuild.__name__, plan.summary().splitlines()[1])
+        return _Entry(target=target, plan=plan, run=run, jitted=jitted, rounds=rounds, graph=graph)
+
+
+class _Bound:
+    """An :class:`Optimized` method bound to an instance (the instance is a static argument)."""
+
+    def __init__(self, parent: Optimized, instance: Any) -> None:
+        self._method = parent._as_method()
+        self._instance = _Static(instance)
+        self.__wrapped__ = parent.fun.__get__(instance)  # type: ignore[attr-defined]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._method(self._instance, *args, **kwargs)
+
+    def plan(self, *args: Any, **kwargs: Any) -> plan_lib.Plan:
+        return self._method.plan(self._instance, *args, **kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        return self._method.lower(self._instance, *args, **kwargs)
+
+    def measure(self, *args: Any, target: Any = None) -> Any:
+        return self._method.measure(self._instance, *args, target=target)
+
+    def cache_info(self) -> CacheInfo:
+        return self._method.cache_info()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Static:
+    """A bound method's instance: a static argument compared and hashed by identity."""
+
+    value: Any
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and other.value is self.value
+
+
+### Helpers
+
+
+def _infer(fun: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...]
+           ) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Argument numbers and names of each other, from the signature (as ``jax.jit`` does)."""
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return nums, names
+    positional = [p.name for p in params
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    by_name = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    nums_out = set(nums) | {positional.index(n) for n in names if n in by_name}
+    names_out = set(names) | {positional[i] for i in nums if 0 <= i < len(positional)
+                              and positional[i] in by_name}
+    return tuple(sorted(nums_out)), tuple(sorted(names_out))
+
+
+def _leaf_key(x: Any) -> Any:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return (tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)),
+                getattr(x, "sharding", None))
+    return (type(x).__name__,)
+
+
+def _abstract(dyn: tuple[Any, ...], target: targets_lib.Target) -> tuple[Any, ...]:
+    """The arguments as ``ShapeDtypeStruct``s on the target's device (nothing copied)."""
+    sharding = jax.sharding.SingleDeviceSharding(target.device())
+
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct) or (hasattr(x, "shape") and hasattr(x, "dtype")):
+            keep = getattr(x, "sharding", None)
+            on_target = keep is not None and getattr(keep, "device_set", None) and all(
+                d.platform == target.device().platform for d in keep.device_set)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=keep if on_target else sharding,
+                                        weak_type=bool(getattr(x, "weak_type", False)))
+        aval = jax.numpy.asarray(x)
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding, weak_type=True)
+
+    return jax.tree_util.tree_map(one, dyn)
+
+
+def _runs_here(dyn: tuple[Any, ...], target: targets_lib.Target) -> bool:
+    """Whether the target's compiled step can run on these (concrete, local) arguments."""
+    if target.compile_only:
+        return False
+    leaves = jax.tree_util.tree_leaves(dyn)
+    return bool(leaves) and all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+                                and x.sharding.device_set == {target.device()} for x in leaves)

@@ -1,0 +1,229 @@
+"""The plan: what a planner decides and the emitter carries out.
+
+A :class:`Plan` names ops and tensors by the ids of the :class:`~jaxmem.graph.MemGraph`
+(tensor ids: the flat inputs first, then every equation's outputs in jaxpr
+order; op ids: equation indices). It says
+
+* ``order``: the order the ops run in (a topological order of all ops);
+* ``remat``: tensors re-issued (recomputed) before given ops; a consumer reads
+  the latest copy made before it, so the first copy dies at its last use
+  before the first re-issue;
+* ``offload``: tensors copied to pinned host right after they are produced and
+  prefetched back before a given op; consumers from that op on read the
+  prefetched copy, so the device buffer dies at its last use before it;
+* ``placement``: where each parameter / optimizer-state input lives.
+
+It is plain frozen data, round-trips through JSON, and reads well in a terminal:
+
+>>> plan = Plan(order=(0, 1, 2), remat={}, offload={1: 2}, placement={}, planner="greedy",
+...             budget_bytes=1 << 30, predicted_peak_bytes=3 << 28, predicted_time_s=None)
+>>> Plan.from_json(plan.to_json()) == plan
+True
+>>> print(plan.summary().splitlines()[0])
+Plan by greedy: status ok, solved in 0.000 s
+
+The schedule a plan implies (re-issues, copies and the device *versions* of
+each tensor they create) is built once by :func:`build_schedule`
+(:mod:`jaxmem.schedule`); the emitter executes it and :func:`steps_for_plan`
+hands it to the simulator, so what is simulated is what is emitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+from typing import Any, Literal, Mapping
+
+Placement = Literal["device", "pinned_host"]
+PLACEMENTS: tuple[str, ...] = ("device", "pinned_host")
+STATUSES: tuple[str, ...] = ("ok", "over_budget", "infeasible", "timeout", "fallback")
+
+_MiB = float(1 << 20)
+
+
+def _frozen_map(m: Mapping[Any, Any] | None, value: Any) -> Mapping[Any, Any]:
+    return types.MappingProxyType({int(k): value(v) for k, v in sorted((m or {}).items(),
+                                                                       key=lambda kv: int(kv[0]))})
+
+
+def _points(points: Any) -> tuple[int, ...]:
+    if isinstance(points, (int,)):
+        return (int(points),)
+    return tuple(int(p) for p in points)
+
+
+def _placement(where: Any) -> str:
+    if where not in PLACEMENTS:
+        raise ValueError(f"placement {where!r} is not one of {PLACEMENTS}; use 'device' or "
+                         f"'pinned_host'")
+    return str(where)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A planner's decisions for one traced step (see the module docstring).
+
+    Attributes:
+      order: op ids in the order they run; a topological order of all ops.
+      remat: tensor id -> op ids before which the tensor is re-issued.
+      offload: tensor id -> op id before which the offloaded tensor is
+        prefetched back to the device.
+      placement: input tensor id -> ``"device"`` or ``"pinned_host"``; inputs
+        not named stay where the caller put them.
+      planner: the planner's registry name.
+      budget_bytes: the device budget the planner aimed at.
+      predicted_peak_bytes: the simulated device peak of the plan.
+      predicted_time_s: the cost model's step-time estimate, if any.
+      status: ``"ok"``, ``"over_budget"``, ``"infeasible"``, ``"timeout"`` or
+        ``"fallback: <why>"``.
+      solve_time_s: wall time the planner took.
+      lower_bound: a proven lower bound on the peak (bytes), if the planner has one.
+      gap: relative gap between ``predicted_peak_bytes`` and ``lower_bound``.
+      notes: free-form lines the planner wants the user to see.
+    """
+
+    order: tuple[int, ...]
+    remat: Mapping[int, tuple[int, ...]]
+    offload: Mapping[int, int]
+    placement: Mapping[int, Placement]
+    planner: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_time_s: float | None
+    status: str = "ok"
+    solve_time_s: float = 0.0
+    lower_bound: float | None = None
+    gap: float | None = None
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        set_("order", tuple(int(o) for o in self.order))
+        set_("remat", _frozen_map(self.remat, _points))
+        set_("offload", _frozen_map(self.offload, int))
+        set_("placement", _frozen_map(self.placement, _placement))
+        set_("notes", tuple(str(n) for n in self.notes))
+        set_("budget_bytes", int(self.budget_bytes))
+        set_("predicted_peak_bytes", int(self.predicted_peak_bytes))
+        if self.status not in STATUSES and not self.status.startswith("fallback"):
+            raise ValueError(f"plan status {self.status!r} is not one of {STATUSES} (or "
+                             f"'fallback: <why>')")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return self._as_dict() == other._as_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mappings inside
+
+    # ### JSON
+
+    def _as_dict(self) -> dict[str, Any]:
+        return {
+            "order": list(self.order),
+            "remat": {str(k): list(v) for k, v in self.remat.items()},
+            "offload": {str(k): v for k, v in self.offload.items()},
+            "placement": {str(k): v for k, v in self.placement.items()},
+            "planner": self.planner, "budget_bytes": self.budget_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_time_s": self.predicted_time_s, "status": self.status,
+            "solve_time_s": self.solve_time_s, "lower_bound": self.lower_bound, "gap": self.gap,
+            "notes": list(self.notes),
+        }
+
+    def to_json(self) -> str:
+        """The plan as a JSON object (tensor ids become string keys)."""
+        return json.dumps(self._as_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        """Read a plan written by :meth:`to_json`.
+
+        Raises:
+          ValueError: for text that is not a plan, naming the missing or extra keys.
+        """
+        data = json.loads(text)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or set(data) != fields:
+            got = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"not a jaxmem plan: expected a JSON object with keys {sorted(fields)}, "
+                             f"got {got}")
+        data["notes"] = tuple(data["notes"])
+        return cls(**data)
+
+    # ### Reading
+
+    def replace(self, **changes: Any) -> "Plan":
+        """A copy with some fields changed (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+    def summary(self, graph: Any = None, top: int = 8) -> str:
+        """A few lines for a terminal: status, budget vs prediction, the decisions.
+
+        Args:
+          graph: the plan's ``MemGraph``; with it, the largest remat / offloaded
+            tensors are listed with their sizes and source lines.
+          top: how many tensors to list per kind.
+        """
+        lines = [f"Plan by {self.planner}: status {self.status}, solved in {self.solve_time_s:.3f} s"]
+        share = (f" ({100.0 * self.predicted_peak_bytes / self.budget_bytes:.0f}% of budget)"
+                 if self.budget_bytes > 0 else "")
+        time = ("" if self.predicted_time_s is None
+                else f", predicted step time {1e3 * self.predicted_time_s:.3f} ms")
+        lines.append(f"  budget {self.budget_bytes / _MiB:,.1f} MiB, predicted peak "
+                     f"{self.predicted_peak_bytes / _MiB:,.1f} MiB{share}{time}")
+        if self.lower_bound is not None:
+            gap = "" if self.gap is None else f" (gap {100.0 * self.gap:.1f}%)"
+            lines.append(f"  lower bound {self.lower_bound / _MiB:,.1f} MiB{gap}")
+        moved = sum(1 for i, o in enumerate(self.order) if o != i)
+        lines.append(f"  order: {len(self.order)} ops, " +
+                     ("program order" if moved == 0 else f"{moved} ops moved from program order"))
+        recomputes = sum(len(v) for v in self.remat.values())
+        lines.append(f"  remat: {len(self.remat)} tensors, {recomputes} re-issues")
+        lines.extend(self._listing(graph, self.remat, top, "re-issued before ops"))
+        lines.append(f"  offload: {len(self.offload)} tensors"
+                     + (f", {self._bytes(graph, self.offload) / _MiB:,.1f} MiB to pinned host"
+                        if graph is not None else ""))
+        lines.extend(self._listing(graph, self.offload, top, "prefetched before op"))
+        on_host = [t for t, where in self.placement.items() if where == "pinned_host"]
+        if self.placement:
+            lines.append(f"  placement: {len(on_host)} of {len(self.placement)} inputs on pinned host")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    @staticmethod
+    def _bytes(graph: Any, tensors: Mapping[int, Any]) -> int:
+        return sum(graph.tensors[t].bytes for t in tensors)
+
+    @staticmethod
+    def _listing(graph: Any, decisions: Mapping[int, Any], top: int, what: str) -> list[str]:
+        if graph is None or not decisions:
+            return []
+        ranked = sorted(decisions, key=lambda t: -graph.tensors[t].bytes)
+        out = []
+        for t in ranked[:top]:
+            tensor = graph.tensors[t]
+            out.append(f"    t{t} {tensor.bytes / _MiB:,.1f} MiB {getattr(tensor, 'source', '')} "
+                       f"({what} {decisions[t]})")
+        if len(ranked) > top:
+            out.append(f"    ... and {len(ranked) - top} more")
+        return out
+
+
+def unplanned(graph: Any, planner: str = "none", budget_bytes: int = 0,
+              predicted_peak_bytes: int = 0, **fields: Any) -> Plan:
+    """The plan that changes nothing: program order, no remat, no offload."""
+    return Plan(order=tuple(range(len(graph.ops))), remat={}, offload={}, placement={},
+                planner=planner, budget_bytes=budget_bytes,
+                predicted_peak_bytes=predicted_peak_bytes, predicted_time_s=None, **fields)
+
+
+# The schedule and the view live in their own modules; these names are part of
+# the plan's interface (``steps_for_plan`` is what the simulator consumes).
+from jaxmem.schedule import (  # noqa: E402
+    Event as Event, Schedule as Schedule, build_schedule as build_schedule,
+    check_plan as check_plan, simulate_plan as simulate_plan, steps_for_plan as steps_for_plan)
+from jaxmem.view import (  # noqa: E402
+    NEVER_REISSUED as NEVER_REISSUED, REDUCTIONS as REDUCTIONS, View as View,
+    check_order as check_order, remat_keeps_fusion as remat_keeps_fusion, view as view)

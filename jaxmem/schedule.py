@@ -1,0 +1,318 @@
+"""The schedule a plan implies: re-issues, copies and the device versions they create.
+
+:func:`build_schedule` unrolls a :class:`~jaxmem.plan.Plan` over the program
+into :class:`Event` s; the emitter executes them and :func:`simulate_plan`
+hands them to the simulator, so what is simulated is what is emitted.
+
+>>> import jax, jax.numpy as jnp
+>>> from jaxmem.graph import build_graph
+>>> from jaxmem.plan import unplanned
+>>> g = build_graph(lambda x: jnp.sum(jnp.sin(x) @ x), jnp.ones((4, 4)))
+>>> [e.kind for e in build_schedule(g, unplanned(g)).events]
+['op', 'op', 'op']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import TYPE_CHECKING, Any, Literal, Mapping
+
+from jaxmem.view import View, check_order, view
+
+if TYPE_CHECKING:
+    from jaxmem import simulate
+    from jaxmem.plan import Plan
+
+EventKind = Literal["op", "remat", "fused", "offload", "prefetch"]
+
+
+def check_plan(v: View, plan: Plan) -> None:
+    """Raise ``ValueError`` naming the first way ``plan`` does not fit the program."""
+    check_order(v, plan.order)
+    pos = {op: i for i, op in enumerate(plan.order)}
+
+    def produced(t: int, what: str) -> int:
+        if not 0 <= t < v.n_tensors:
+            raise ValueError(f"plan {what} names tensor t{t}, but the program has tensors "
+                             f"t0..t{v.n_tensors - 1}")
+        p = v.producer[t]
+        if p is None:
+            raise ValueError(f"plan {what} names t{t}, a program input; inputs are placed with "
+                             f"Plan.placement, not re-issued or offloaded")
+        return p
+
+    def after(t: int, p: int, c: int, what: str) -> None:
+        if c not in pos:
+            raise ValueError(f"plan {what} of t{t} names op {c}, which is not an op id "
+                             f"(0..{v.n_ops - 1})")
+        if pos[c] <= pos[p]:
+            raise ValueError(f"plan {what} of t{t} is before op {c}, which runs before t{t} is "
+                             f"produced by op {p}; points must come after the producer")
+
+    for t, points in plan.remat.items():
+        p = produced(t, "remat")
+        if not v.reissuable[p]:
+            raise ValueError(f"plan re-issues t{t}, produced by op {p} whose primitive is "
+                             f"effectful or a collective and must run exactly once")
+        for c in points:
+            after(t, p, c, "re-issue")
+    for t, c in plan.offload.items():
+        after(t, produced(t, "offload"), c, "prefetch")
+    for t in plan.placement:
+        if not 0 <= t < v.n_inputs:
+            raise ValueError(f"plan placement names t{t}, which is not a program input "
+                             f"(t0..t{v.n_inputs - 1})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One thing the planned step does, in order.
+
+    Attributes:
+      kind: ``"op"`` (an op of the order), ``"remat"`` (a planned re-issue),
+        ``"fused"`` (re-issue of a fused, unmaterialized value so that it reads
+        the newest copy of its inputs: free in XLA, which recomputes fused
+        values inside their consumers anyway), ``"offload"`` (device to host
+        copy) or ``"prefetch"`` (host to device copy).
+      op: the op whose equation runs (None for copies).
+      at: the op of the order this event belongs to (re-issues and prefetches
+        run just before it, offloads just after it).
+      tensors: the tensors copied or re-issued (empty for ``"op"``).
+      reads: per equation input, the version read (None for literals and
+        constants); for an offload, the device version copied.
+      writes: per equation output, the version written (None when unused); for
+        a prefetch, the new device version.
+    """
+
+    kind: str
+    op: int | None
+    at: int
+    tensors: tuple[int, ...]
+    reads: tuple[int | None, ...]
+    writes: tuple[int | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A plan unrolled into events over *versions* (device copies of tensors).
+
+    A version id is the tensor id for the original; copies made by re-issues
+    and prefetches get ids from ``view.n_tensors`` up.
+
+    Attributes:
+      view: the program facts.
+      events: what runs, in order.
+      tensor_of: fresh version id -> tensor id.
+      roots: version of an unmaterialized value -> the materialized versions
+        XLA really reads when a consumer fuses it.
+      final: per program output, the version returned (None for literals).
+    """
+
+    view: View
+    events: tuple[Event, ...]
+    tensor_of: Mapping[int, int]
+    roots: Mapping[int, frozenset[int]]
+    final: tuple[int | None, ...]
+    remat_keys: frozenset[int] = frozenset()
+
+    def tensor(self, version: int) -> int:
+        return self.tensor_of.get(version, version)
+
+    def sizes(self) -> dict[int, int]:
+        """Device bytes per version (0 for unmaterialized values)."""
+        out = {}
+        for version in range(self.view.n_tensors):
+            out[version] = self.view.bytes[version] if version not in self.roots else 0
+        for version, t in self.tensor_of.items():
+            out[version] = self.view.bytes[t] if version not in self.roots else 0
+        return out
+
+    def last_reads(self) -> dict[int, int]:
+        """Version -> index of the last event that reads it (fused reads count for their roots)."""
+        last: dict[int, int] = {}
+        for i, ev in enumerate(self.events):
+            for r in ev.reads:
+                if r is None:
+                    continue
+                last[r] = i
+                for root in self.roots.get(r, ()):
+                    last[root] = i
+        return last
+
+    def host_peak_bytes(self) -> int:
+        """Peak pinned-host bytes of the offloaded copies (each lives until its prefetch)."""
+        live = peak = 0
+        fetched: set[int] = set()
+        for ev in self.events:
+            if ev.kind == "offload":
+                live += sum(self.view.bytes[t] for t in ev.tensors)
+            elif ev.kind == "prefetch":
+                peak = max(peak, live)
+                for t in ev.tensors:
+                    if t not in fetched:
+                        fetched.add(t)
+                        live -= self.view.bytes[t]
+            peak = max(peak, live)
+        return peak
+
+    def steps(self) -> "list[simulate.Step]":
+        """The schedule as simulator steps (inputs alive from the start)."""
+        from jaxmem import simulate
+
+        v = self.view
+        last = self.last_reads()
+        keep = {r for r in self.final if r is not None}
+        keep.update(t for t in range(v.n_inputs) if not v.donated[t])
+        constants = [t for t in range(v.n_inputs, v.n_tensors) if v.producer[t] is None]
+        keep.update(constants)
+        for r in list(keep):  # an output that views a buffer keeps that buffer
+            keep.update(self.roots.get(r, ()))
+        frees: dict[int, list[int]] = {}
+        for version, i in last.items():
+            if version not in keep:
+                frees.setdefault(i, []).append(version)
+        steps = [simulate.Step(op=None, alloc=tuple(t for t in [*range(v.n_inputs), *constants]
+                                                    if v.materialized[t]),
+                               free=(), label="inputs")]
+        for i, ev in enumerate(self.events):
+            alloc = tuple(w for w in ev.writes if w is not None) if ev.kind != "offload" else ()
+            dead = [w for w in alloc if w not in last and w not in keep]
+            label = ev.kind if ev.kind == "op" else f"{ev.kind} " + ",".join(f"t{t}" for t in ev.tensors)
+            steps.append(simulate.Step(op=ev.op, alloc=alloc, free=tuple(frees.get(i, [])) + tuple(dead),
+                                       label=label))
+        return steps
+
+
+def build_schedule(graph_or_view: Any, plan: Plan) -> Schedule:
+    """Unroll ``plan`` into a :class:`Schedule` (the emitter and the simulator both read it).
+
+    Consumers read the newest version of each input. An unmaterialized input
+    (a value XLA fuses into its consumer) whose materialized roots have newer
+    copies is re-issued from them first (a ``"fused"`` event), so no consumer
+    keeps an old device copy alive through a fused chain.
+
+    Raises:
+      ValueError: if the plan does not fit the program (see :func:`check_plan`).
+    """
+    v = view(graph_or_view)
+    check_plan(v, plan)
+    prefetch_at: dict[int, list[int]] = {}
+    for t, c in plan.offload.items():
+        prefetch_at.setdefault(c, []).append(t)
+    remat_at: dict[int, dict[int, list[int]]] = {}
+    for t, points in plan.remat.items():
+        for c in points:
+            remat_at.setdefault(c, {}).setdefault(v.producer[t], []).append(t)  # type: ignore[arg-type]
+    real = [m or t in plan.offload or v.producer[t] is None for t, m in enumerate(v.materialized)]
+
+    cur = list(range(v.n_tensors))
+    tensor_of: dict[int, int] = {}
+    roots: dict[int, frozenset[int]] = {}
+    events: list[Event] = []
+
+    def fresh(t: int) -> int:
+        version = v.n_tensors + len(tensor_of)
+        tensor_of[version] = t
+        return version
+
+    def roots_of(version: int) -> frozenset[int]:
+        return roots.get(version, frozenset((version,)))
+
+    def wanted(t: int, memo: dict[int, frozenset[int]]) -> frozenset[int]:
+        if real[t]:
+            return frozenset((cur[t],))
+        if t not in memo:
+            p = v.producer[t]
+            memo[t] = frozenset().union(*(wanted(u, memo) for u in v.inputs_of(p)))  # type: ignore[arg-type]
+        return memo[t]
+
+    def record(ev: Event) -> None:
+        events.append(ev)
+        for t_out, w in zip(v.out_slots[ev.op] if ev.op is not None else (), ev.writes):
+            if w is not None and not real[t_out]:
+                roots[w] = frozenset().union(*(roots_of(r) for r in ev.reads if r is not None))
+
+    def resolve(t: int, at: int, memo: dict[int, frozenset[int]], late: bool = False) -> int:
+        # ``late``: the read is by a re-issue, so a fused input is recomputed there
+        # too (from the newest roots) rather than read from its first computation.
+        version = cur[t]
+        if real[t] or (roots.get(version) == wanted(t, memo) and
+                       not (late and version not in made_at_point)):
+            return version
+        p = v.producer[t]
+        if not v.reissuable[p]:  # type: ignore[index]
+            return version
+        reads = tuple(None if u is None else resolve(u, at, memo, late)
+                      for u in v.in_slots[p])  # type: ignore[index]
+        new = fresh(t)
+        writes = tuple(new if o == t else None for o in v.out_slots[p])  # type: ignore[index]
+        record(Event("fused", p, at, (t,), reads, writes))
+        cur[t] = new
+        made_at_point.add(new)
+        return new
+
+    made_at_point: set[int] = set()
+    for c in plan.order:
+        memo: dict[int, frozenset[int]] = {}
+        made_at_point.clear()
+        for t in sorted(prefetch_at.get(c, ())):
+            new = fresh(t)
+            events.append(Event("prefetch", None, c, (t,), (), (new,)))
+            cur[t] = new
+        for p, ts in sorted(remat_at.get(c, {}).items()):
+            memo = {}
+            reads = tuple(None if u is None else resolve(u, c, memo, late=True)
+                          for u in v.in_slots[p])
+            news = {t: fresh(t) for t in ts}
+            record(Event("remat", p, c, tuple(ts), reads,
+                         tuple(news.get(o) if o is not None else None for o in v.out_slots[p])))
+            for t, new in news.items():
+                cur[t] = new
+            memo = {}
+        reads = tuple(None if u is None else resolve(u, c, memo) for u in v.in_slots[c])
+        record(Event("op", c, c, (), reads, v.out_slots[c]))
+        for t in v.out_slots[c]:
+            if t is not None and t in plan.offload:
+                events.append(Event("offload", None, c, (t,), (t,), ()))
+    final = tuple(None if t is None else cur[t] for t in v.outputs)
+    return Schedule(view=v, events=tuple(events), tensor_of=types.MappingProxyType(tensor_of),
+                    roots=types.MappingProxyType(roots), final=final,
+                    remat_keys=frozenset(plan.remat))
+
+
+def steps_for_plan(graph: Any, plan: Plan) -> "list[simulate.Step]":
+    """The plan's schedule as simulator steps; copies get ids past ``len(graph.tensors)``.
+
+    Arguments and outputs are accounted as XLA does (``simulate.xla_accounting``).
+    Pass ``build_schedule(graph, plan).sizes()`` as ``sizes`` to
+    ``simulate.simulate_steps`` (or call :func:`simulate_plan`).
+    """
+    return _accounted(graph, build_schedule(graph, plan))
+
+
+def simulate_plan(graph: Any, plan: Plan) -> "simulate.SimResult":
+    """Simulate ``plan`` on ``graph``: the device peak it should compile to."""
+    from jaxmem import simulate
+
+    sched = build_schedule(graph, plan)
+    return simulate.simulate_steps(graph, _accounted(graph, sched), sizes=sched.sizes())
+
+
+def _accounted(graph: Any, sched: Schedule) -> "list[simulate.Step]":
+    from jax.extend import core as jcore
+
+    from jaxmem import simulate
+
+    steps = sched.steps()
+    outputs: list[int | None] = []
+    for atom, version in zip(graph.program.jaxpr.jaxpr.outvars, sched.final):
+        if isinstance(atom, jcore.Literal):
+            continue
+        if version is None:  # a constant
+            outputs.append(graph.var_to_tensor[atom])
+            continue
+        roots = sched.roots.get(version)
+        outputs.append(version if roots is None else
+                       (next(iter(roots)) if len(roots) == 1 else None))
+    return simulate.xla_accounting(graph, steps, outputs=outputs)

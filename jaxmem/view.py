@@ -1,0 +1,235 @@
+"""What the emitter and the planners know about a traced step: a compact, cached view.
+
+:class:`View` holds, per tensor and per op of a ``MemGraph`` (or of a bare
+``Program``), the few facts that plans are checked, scheduled and emitted
+against: sizes, which values are buffers, producers, each equation's inputs
+and outputs as tensor ids, and the buffers each op really reads.
+
+>>> import jax.numpy as jnp
+>>> from jaxmem.graph import build_graph
+>>> v = view(build_graph(lambda x: jnp.sum(jnp.sin(x) @ x), jnp.ones((4, 4))))
+>>> v.n_inputs, v.primitives
+(1, ('sin', 'dot_general', 'reduce_sum'))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+# Primitives never re-issued: collectives and stateful / effectful operations
+# (recomputing them changes results or communicates twice).
+NEVER_REISSUED = frozenset({
+    "psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "psum_scatter",
+    "reduce_scatter", "axis_index", "rng_uniform", "io_callback", "debug_callback",
+    "infeed", "outfeed", "send", "recv", "device_put",
+})
+
+# A fused value read by two or more ops, one of them a reduction, is kept in
+# memory by XLA rather than recomputed inside each reader (seen in the CPU HLO
+# of the zoo's resnet50 and gpt2: a ReLU-gradient select read by three
+# reductions); XLA's CPU compiler keeps every fused value with two or more
+# readers. The view counts such values as buffers: re-issuing them for late
+# readers instead would hand XLA a different fusion problem, and a reduction
+# fused differently may add in another order (results no longer bitwise equal).
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                        "reduce_or", "argmax", "argmin", "cumsum", "cumprod", "cummax",
+                        "cummin", "cumlogsumexp"})
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """The facts about a traced step that plans are checked and scheduled against.
+
+    Built from a ``MemGraph`` (sizes, materialization) or from a bare
+    ``Program`` (every value counted as materialized). Tensor ids follow the
+    graph's convention: flat inputs, then each equation's outputs in order.
+
+    Attributes:
+      n_inputs: number of flat inputs (tensor ids ``0..n_inputs-1``).
+      bytes: per tensor, device bytes.
+      materialized: per tensor, whether XLA allocates it (fused values are not):
+        the graph's model, plus fused values shared by a reduction (see
+        :data:`REDUCTIONS`), or on the ``cpu`` target by any two ops.
+      producer: per tensor, the op that produces it (None for inputs).
+      in_slots: per op, per equation input, the tensor id (None for literals
+        and constants).
+      out_slots: per op, per equation output, the tensor id (None when dropped).
+      outputs: per program output, the tensor id (None for literals/constants).
+      donated: per input, whether the step donates it.
+      reissuable: per op, whether re-issuing its equation is allowed.
+      phases: per op, ``"forward"``, ``"backward"`` or ``"update"``.
+      primitives: per op, its primitive's name.
+      buffer_reads: per op, the materialized tensors it really reads (a fused
+        input stands for the buffers it is computed from).
+    """
+
+    n_inputs: int
+    bytes: tuple[int, ...]
+    materialized: tuple[bool, ...]
+    producer: tuple[int | None, ...]
+    in_slots: tuple[tuple[int | None, ...], ...]
+    out_slots: tuple[tuple[int | None, ...], ...]
+    outputs: tuple[int | None, ...]
+    donated: tuple[bool, ...]
+    reissuable: tuple[bool, ...]
+    phases: tuple[str, ...]
+    primitives: tuple[str, ...] = ()
+    buffer_reads: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def n_tensors(self) -> int:
+        return len(self.bytes)
+
+    @property
+    def n_ops(self) -> int:
+        return len(self.in_slots)
+
+    def inputs_of(self, op: int) -> tuple[int, ...]:
+        """Distinct tensor inputs of ``op``, in first-use order."""
+        return tuple(dict.fromkeys(t for t in self.in_slots[op] if t is not None))
+
+
+_VIEWS: dict[int, tuple[Any, View]] = {}
+
+
+def view(graph_or_program: Any) -> View:
+    """The :class:`View` of a ``MemGraph``, a ``Program`` or a ``View`` (cached per object)."""
+    if isinstance(graph_or_program, View):
+        return graph_or_program
+    hit = _VIEWS.get(id(graph_or_program))
+    if hit is not None and hit[0] is graph_or_program:
+        return hit[1]
+    v = _build_view(graph_or_program)
+    if len(_VIEWS) > 64:
+        _VIEWS.clear()
+    _VIEWS[id(graph_or_program)] = (graph_or_program, v)
+    return v
+
+
+def _build_view(obj: Any) -> View:
+    import numpy as np
+    from jax.extend import core as jcore
+
+    graph = obj if hasattr(obj, "tensors") else None
+    program = graph.program if graph is not None else obj
+    jaxpr = program.jaxpr.jaxpr
+    ids: dict[Any, int] = {v: i for i, v in enumerate(jaxpr.invars)}
+    consts = set(jaxpr.constvars)
+    nbytes = [int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
+              for v in jaxpr.invars]
+    producer: list[int | None] = [None] * len(jaxpr.invars)
+    in_slots, out_slots, reissuable = [], [], []
+    for k, eqn in enumerate(jaxpr.eqns):
+        in_slots.append(tuple(None if isinstance(a, jcore.Literal) or a in consts else ids[a]
+                              for a in eqn.invars))
+        outs = []
+        for v in eqn.outvars:
+            if isinstance(v, jcore.DropVar):
+                outs.append(None)
+                continue
+            ids[v] = len(nbytes)
+            outs.append(len(nbytes))
+            aval = v.aval
+            size = int(np.prod(getattr(aval, "shape", ()), dtype=np.int64))
+            nbytes.append(size * np.dtype(aval.dtype).itemsize if hasattr(aval, "dtype") else 0)
+            producer.append(k)
+        out_slots.append(tuple(outs))
+        reissuable.append(not eqn.effects and eqn.primitive.name not in NEVER_REISSUED)
+    for c in jaxpr.constvars:  # constants come last (read from the closure, never scheduled)
+        ids[c] = len(nbytes)
+        nbytes.append(0)
+        producer.append(None)
+    materialized = [True] * len(nbytes)
+    if graph is not None:
+        if len(graph.tensors) != len(nbytes):
+            raise ValueError(f"the MemGraph has {len(graph.tensors)} tensors but its program "
+                             f"has {len(nbytes)} values; rebuild the graph from this program")
+        nbytes = [int(t.bytes) for t in graph.tensors]
+        materialized = [bool(t.materialized) for t in graph.tensors]
+        reads: dict[int, set[int]] = {}
+        for k, slots in enumerate(in_slots):
+            for t in slots:
+                if t is not None:
+                    reads.setdefault(t, set()).add(k)
+        on_cpu = str(getattr(graph, "target", "")) == "cpu"
+        for t, tensor in enumerate(graph.tensors):
+            ops = reads.get(t, set())
+            if (not materialized[t] and tensor.alias_of is None and len(ops) >= 2
+                    and (on_cpu or any(jaxpr.eqns[k].primitive.name in REDUCTIONS
+                                       for k in ops))):
+                materialized[t] = True
+        reissuable = [r and getattr(o, "recomputable", True) for r, o in zip(reissuable, graph.ops)]
+    outputs = tuple(None if isinstance(a, jcore.Literal) or a in consts else ids[a]
+                    for a in jaxpr.outvars)
+    donated = tuple(program.donated) or (False,) * len(jaxpr.invars)
+    # The buffers each op really reads: a fused input stands for the buffers it is
+    # computed from (a view, for the buffer it views).
+    sources: list[frozenset[int]] = [frozenset((t,)) for t in range(len(nbytes))]
+    buffer_reads = []
+    for k in range(len(in_slots)):
+        reads = frozenset().union(*(sources[t] for t in in_slots[k] if t is not None))
+        buffer_reads.append(tuple(sorted(reads)))
+        for t in out_slots[k]:
+            if t is not None and not materialized[t]:
+                sources[t] = reads
+    return View(n_inputs=len(jaxpr.invars), bytes=tuple(nbytes), materialized=tuple(materialized),
+                producer=tuple(producer), in_slots=tuple(in_slots), out_slots=tuple(out_slots),
+                outputs=outputs, donated=donated, reissuable=tuple(reissuable),
+                phases=tuple(program.phases),
+                primitives=tuple(e.primitive.name for e in jaxpr.eqns),
+                buffer_reads=tuple(buffer_reads))
+
+
+def check_order(v: View, order: Sequence[int]) -> None:
+    """Raise ``ValueError`` unless ``order`` is a topological permutation of all ops."""
+    if sorted(order) != list(range(v.n_ops)):
+        missing = sorted(set(range(v.n_ops)) - set(order))[:5]
+        raise ValueError(f"plan order has {len(order)} entries for {v.n_ops} ops (missing e.g. "
+                         f"{missing}, or repeated ids); give every op id exactly once")
+    pos = {op: i for i, op in enumerate(order)}
+    for op in order:
+        for t in v.inputs_of(op):
+            p = v.producer[t]
+            if p is not None and pos[p] > pos[op]:
+                raise ValueError(f"plan order runs op {op} before op {p}, which produces its "
+                                 f"input t{t}; the order must be topological")
+
+
+
+def remat_keeps_fusion(graph: Any, tensor: int, point: int,
+                       order: Sequence[int] | None = None) -> bool:
+    """Whether re-issuing ``tensor`` before ``point`` leaves XLA's fusion of its readers as it was.
+
+    Splitting a buffer's readers between two copies changes what XLA sees: a
+    fusible producer (elementwise, layout) whose remaining readers are all
+    fusible is fused into them. For elementwise readers that recomputes the
+    same bits, but a reduction that read a buffer and now reads a fused
+    producer may add in another order, so the planned step would no longer be
+    bitwise equal to the plain one (seen on the CPU: a bias gradient's
+    ``reduce_sum`` fused with the ReLU mask). Offloading never has this problem:
+    the device-to-host copy keeps the first copy a buffer and the prefetch is one.
+    A reduction whose inputs are fused is never re-issued for the same reason.
+    """
+    from jaxmem import materialize as mat
+
+    t = graph.tensors[tensor]
+    if t.producer is None:
+        return True
+    producer = graph.ops[t.producer]
+    v = view(graph)
+    if producer.primitive in REDUCTIONS and any(not v.materialized[u] for u in producer.inputs):
+        return False  # the copy would fuse its inputs anew: another summation order
+    if not mat.is_fusible(producer.primitive):
+        return True
+    order = tuple(range(len(graph.ops))) if order is None else tuple(order)
+    pos = {op: i for i, op in enumerate(order)}
+    readers = [op for op, reads in enumerate(v.buffer_reads) if tensor in reads]
+    early = [v.primitives[op] for op in readers if pos[op] < pos[point]]
+    late = [v.primitives[op] for op in readers if pos[op] >= pos[point]]
+
+    def stays(side: list[str]) -> bool:
+        return any(p in mat.MATERIALIZING_CONSUMERS for p in side) or all(
+            p in mat.ELEMENTWISE or p in mat.LAYOUT for p in side)
+
+    return stays(early) and stays(late)

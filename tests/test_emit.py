@@ -1,0 +1,311 @@
+"""Plans and emitted steps: exactness on the CPU, structure of what XLA compiles for h100."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem.models as zoo
+from jaxmem import emit, hlo, simulate, targets
+from jaxmem import plan as plan_lib
+from jaxmem.costmodel import CostModel
+from jaxmem.graph import analyse, build_graph
+from jaxmem.planners import greedy
+from jaxmem.trace import trace
+
+CPU = CostModel.for_target("cpu")
+MiB = 1 << 20
+
+
+def _leaves_equal(a, b) -> bool:
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def _random_order(view: plan_lib.View, seed: int) -> tuple[int, ...]:
+    """A random topological order of the ops (Kahn's algorithm, random pick)."""
+    rng = random.Random(seed)
+    waiting, readers = [0] * view.n_ops, {}
+    for op in range(view.n_ops):
+        producers = {view.producer[t] for t in view.inputs_of(op)} - {None}
+        waiting[op] = len(producers)
+        for p in producers:
+            readers.setdefault(p, []).append(op)
+    ready, order = [op for op in range(view.n_ops) if not waiting[op]], []
+    while ready:
+        op = ready.pop(rng.randrange(len(ready)))
+        order.append(op)
+        for r in readers.get(op, ()):
+            waiting[r] -= 1
+            if not waiting[r]:
+                ready.append(r)
+    return tuple(order)
+
+
+def _plans(graph) -> dict[str, plan_lib.Plan]:
+    """Remat-only, offload-only, reorder-only and combined plans touching every candidate."""
+    view = plan_lib.view(graph)
+    remat = greedy.split_every(graph, CPU, "remat")
+    offload = greedy.split_every(graph, CPU, "offload")
+    half = dict(list(sorted(offload.offload.items()))[1::2])
+    both = plan_lib.Plan(
+        order=_random_order(view, 1), remat={t: p for t, p in remat.remat.items() if t not in half},
+        offload=half, placement={}, planner="test", budget_bytes=0, predicted_peak_bytes=0,
+        predicted_time_s=None)
+    return {"remat": remat, "offload": offload,
+            "reorder": plan_lib.unplanned(graph).replace(order=_random_order(view, 0)),
+            "all": both}
+
+
+@functools.lru_cache(maxsize=None)
+def _zoo_case(name: str):
+    zs = zoo.build(name, "tiny", step="train")
+    args = zs.make_args(seed=0)
+    reference = jax.jit(zs.fn)(*args)
+    graph = analyse(trace(zs.fn, *args), "cpu")
+    return args, reference, graph, _plans(graph)
+
+
+def _check_exact(name: str, kind: str) -> None:
+    args, reference, graph, plans = _zoo_case(name)
+    plan = plans[kind]
+    if kind == "reorder":
+        assert plan.order != tuple(range(len(graph.ops)))
+    else:
+        assert plan.remat or plan.offload
+    out = jax.jit(emit.emit(graph, plan))(*args)
+    assert _leaves_equal(reference, out), f"{name}: the {kind} plan changed the results"
+
+
+### Plan data
+
+
+def test_plan_round_trips_through_json_and_reads_in_a_terminal():
+    g = build_graph(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) @ w.T)),
+                    jnp.ones((8, 8)), jnp.ones((4, 8)), target="cpu")
+    plan = greedy.split_every(g, CPU, "offload")
+    again = plan_lib.Plan.from_json(plan.to_json())
+    assert again == plan and dict(again.offload) == dict(plan.offload)
+    text = plan.summary(g)
+    assert text.startswith("Plan by greedy")
+    assert "offload: " in text and "MiB to pinned host" in text
+    with pytest.raises(ValueError, match="not a jaxmem plan"):
+        plan_lib.Plan.from_json('{"order": []}')
+
+
+def test_plan_rejects_bad_fields_with_clear_errors():
+    g = build_graph(lambda x: jnp.sum(jnp.sin(x) * 2), jnp.ones(4), target="cpu")
+    v = plan_lib.view(g)
+    with pytest.raises(ValueError, match="status"):
+        plan_lib.unplanned(g).replace(status="great")
+    with pytest.raises(ValueError, match="topological"):
+        plan_lib.check_plan(v, plan_lib.unplanned(g).replace(order=tuple(reversed(range(v.n_ops)))))
+    with pytest.raises(ValueError, match="program input"):
+        plan_lib.check_plan(v, plan_lib.unplanned(g).replace(offload={0: 1}))
+    with pytest.raises(ValueError, match="after the producer"):
+        plan_lib.check_plan(v, plan_lib.unplanned(g).replace(remat={v.n_inputs + 1: (0,)}))
+    with pytest.raises(ValueError, match="placement"):
+        plan_lib.unplanned(g).replace(placement={0: "disk"})
+    with pytest.raises(ValueError, match="pinned host"):
+        emit.emit(g, plan_lib.unplanned(g).replace(placement={0: "pinned_host"}))
+
+
+def test_unplanned_schedule_simulates_like_the_graph():
+    g = build_graph(jax.grad(lambda ws, x: jnp.sum(jnp.tanh(jnp.tanh(x @ ws[0]) @ ws[1]))),
+                    [jnp.ones((16, 32)), jnp.ones((32, 16))], jnp.ones((8, 16)), target="cpu")
+    assert plan_lib.simulate_plan(g, plan_lib.unplanned(g)).peak_bytes == \
+        simulate.simulate(g).peak_bytes
+
+
+### Exactness on the CPU
+
+FAST = [("mlp", "remat"), ("mlp", "offload"), ("mlp", "reorder"), ("gpt2", "all"),
+        ("resnet50", "all")]
+ALL = [(name, kind) for name in zoo.names() for kind in ("remat", "offload", "reorder", "all")]
+
+
+@pytest.mark.parametrize("name, kind", FAST, ids=[f"{n}-{k}" for n, k in FAST])
+def test_planned_train_step_is_bitwise_equal(name, kind):
+    _check_exact(name, kind)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, kind", ALL, ids=[f"{n}-{k}" for n, k in ALL])
+def test_every_zoo_model_and_plan_kind_is_bitwise_equal(name, kind):
+    """Every zoo model x {remat, offload, reorder, all} (about 2 minutes): run with ``-m slow``."""
+    _check_exact(name, kind)
+
+
+def _random_program(spec: list[str], width: int, seed: int):
+    """A loss over a random composition of matmuls, elementwise ops, reductions,
+    reshapes, broadcasts and residual branches, and its example arguments."""
+    n_w = sum(op in ("matmul", "residual") for op in spec)
+    keys = jax.random.split(jax.random.PRNGKey(seed), n_w + 1)
+    weights = [jax.random.normal(k, (width, width)) / width for k in keys[:n_w]]
+    x = jax.random.normal(keys[-1], (6, width))
+
+    def loss(ws, x):
+        ws = iter(ws)
+        for op in spec:
+            if op == "matmul":
+                x = x @ next(ws)
+            elif op == "residual":
+                x = x + jnp.tanh(x @ next(ws))
+            elif op == "elementwise":
+                x = jnp.sin(x) * x + 0.5
+            elif op == "reduce":
+                x = x - jnp.mean(x, axis=-1, keepdims=True)
+            elif op == "reshape":
+                x = x.reshape(-1, 2, width // 2).swapaxes(1, 2).reshape(-1, width) * 1.5
+            elif op == "broadcast":
+                x = x * jnp.mean(x, axis=0)[None, :]
+            elif op == "max":
+                x = x * jnp.max(x, axis=0)[None, :]
+        return jnp.sum(x ** 2)
+
+    return jax.grad(loss), (weights, x)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known inexactness: the gradient of a max reduction (an equality mask times the "
+    "cotangent) re-issued from an offloaded input is simplified differently by XLA's CPU "
+    "algebraic simplifier (mask*x kept as a multiply instead of rewritten to a select), and "
+    "the last bits of the gradient change"))
+def test_max_reduction_gradient_under_offload_is_bitwise_equal():
+    step, args = _random_program(["matmul", "max", "elementwise"], 8, 0)
+    g = analyse(trace(step, *args), "cpu")
+    plan = plan_lib.unplanned(g).replace(offload={3: 28})
+    assert _leaves_equal(jax.jit(step)(*args), jax.jit(emit.emit(g, plan))(*args))
+
+
+@hypothesis.settings(max_examples=12, deadline=None)
+@hypothesis.given(
+    spec=st.lists(st.sampled_from(["matmul", "residual", "elementwise", "reduce", "reshape",
+                                   "broadcast", "max"]), min_size=2, max_size=7),
+    width=st.sampled_from([8, 16]), seed=st.integers(0, 2**16),
+    frac=st.floats(0.1, 1.0), mode=st.sampled_from(["greedy", "remat", "offload"]))
+def test_random_programs_keep_their_arithmetic(spec, width, seed, frac, mode):
+    """trace -> plan -> emit on random programs computes what the plain program computes.
+
+    Every operation of the plan's program is the plain program's operation on the
+    same values, but the barriers that pin a plan change what XLA's CPU compiler
+    simplifies and fuses around them, and a fused reduction may then add in
+    another order: on about 4% of random programs (measured: 3 of 80) the last
+    bits differ (the zoo's steps are checked bitwise above). So the check here is
+    a relative 1e-5 of the result's scale, far below any real arithmetic change
+    (a dropped or doubled term moves results by O(1) of their scale).
+    """
+    step, args = _random_program(spec, width, seed)
+    reference = jax.jit(step)(*args)
+    g = analyse(trace(step, *args), "cpu")
+    if mode == "greedy":
+        budget = int(frac * plan_lib.simulate_plan(g, plan_lib.unplanned(g)).peak_bytes)
+        plan = greedy.plan_greedy(g, max(budget, 1), CPU, {})
+    else:
+        plan = greedy.split_every(g, CPU, mode)
+        plan = plan.replace(order=_random_order(plan_lib.view(g), seed))
+    out = jax.jit(emit.emit(g, plan))(*args)
+    for x, y in zip(jax.tree_util.tree_leaves(reference), jax.tree_util.tree_leaves(out)):
+        x, y = np.asarray(x), np.asarray(y)
+        scale = float(np.abs(x).max()) or 1.0
+        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_offload_runs_on_the_cpu_backend():
+    """``device_put`` to ``Space.Host`` inside jit works on the CPU (jax 0.10.2)."""
+    def f(x):
+        h = jax.device_put(x * 2, jax.memory.Space.Host)
+        h, y = jax.lax.optimization_barrier((h, jnp.sin(x)))
+        return jax.device_put(h, jax.memory.Space.Device) + y
+    x = jnp.arange(4.0)
+    assert np.array_equal(jax.jit(f)(x), x * 2 + jnp.sin(x))
+
+
+### Structure of the compiled program on h100
+
+
+def _mlp_h100(layers: int = 3):
+    t = targets.get("h100")
+    params = [(jax.ShapeDtypeStruct((128, 512), jnp.float32),
+               jax.ShapeDtypeStruct((512, 128), jnp.float32)) for _ in range(layers)]
+    x = jax.ShapeDtypeStruct((1024, 128), jnp.float32)
+
+    def loss(ps, x):
+        for w1, w2 in ps:
+            x = x + jax.nn.gelu(x @ w1) @ w2
+        return jnp.sum(x ** 2)
+
+    args = t.place((params, x))
+    return analyse(trace(jax.grad(loss), *args), "h100"), args
+
+
+def _compile_h100(graph, plan, args):
+    return jax.jit(emit.emit(graph, plan)).lower(*args).compile()
+
+
+def test_unplanned_emission_compiles_like_the_plain_step():
+    g, args = _mlp_h100()
+    plain = jax.jit(lambda *a: jax.tree_util.tree_unflatten(
+        g.program.out_tree, jax.extend.core.jaxpr_as_fun(g.program.jaxpr)(
+            *jax.tree_util.tree_leaves(a)))).lower(*args).compile()
+    emitted = _compile_h100(g, plan_lib.unplanned(g), args)
+    assert emitted.memory_analysis().temp_size_in_bytes == plain.memory_analysis().temp_size_in_bytes
+
+
+def test_offloaded_tensors_are_host_buffers_with_async_copies():
+    g, args = _mlp_h100()
+    base = _compile_h100(g, plan_lib.unplanned(g), args)
+    plan = greedy.split_every(g, CostModel.for_target("h100"), "offload")
+    text = _compile_h100(g, plan, args).as_text()
+    assert "S(5)" in text and "S(5)" not in base.as_text()
+    assert "copy-start" in text and "copy-done" in text
+
+
+def test_remat_reissues_survive_compilation():
+    g, args = _mlp_h100()
+    base = hlo.analyze(_compile_h100(g, plan_lib.unplanned(g), args).as_text())
+    every = greedy.split_every(g, CostModel.for_target("h100"), "remat")
+    # The hidden pre-activations x @ w1 of every layer (their forward readers stay live).
+    dots = [t for t in every.remat if g.ops[g.tensors[t].producer].primitive == "dot_general"
+            and g.tensors[t].shape[-1] == 512]
+    assert len(dots) == 3, "expected one re-issued matmul per layer"
+    plan = plan_lib.unplanned(g).replace(remat={t: every.remat[t] for t in dots})
+    planned = hlo.analyze(_compile_h100(g, plan, args).as_text())
+    extra = sum(g.ops[g.tensors[t].producer].flops for t in dots)
+    assert planned.matmul_flops >= base.matmul_flops + 0.99 * extra
+
+
+def test_weight_gradients_are_pinned_next_to_their_layer():
+    """With offload, the emitted step ties each weight gradient into the next backward op."""
+    g, args = _mlp_h100()
+    plan = greedy.split_every(g, CostModel.for_target("h100"), "offload")
+    pinned = jax.make_jaxpr(emit.emit(g, plan))(*args)
+    loose = jax.make_jaxpr(emit.emit(g, plan, pin="none"))(*args)
+    count = lambda j: sum(e.primitive.name == "optimization_barrier" for e in j.eqns)  # noqa: E731
+    assert count(pinned) > count(loose)
+    dev = lambda p: _device_bytes(jax.jit(emit.emit(g, plan, pin=p)).lower(*args).compile())  # noqa: E731
+    assert dev("auto") < dev("none")
+
+
+def _device_bytes(compiled) -> int:
+    m = compiled.memory_analysis()
+    return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_user_checkpoints_survive_emission(policy):
+    """Inlining ``jax.checkpoint`` drops JAX's CSE barrier; the emitter puts it back."""
+    zs = zoo.build("mlp", "bench", step="grad", policy=policy)
+    args = targets.get("h100").place(zs.args)
+    plain = jax.jit(zs.fn).lower(*args).compile()
+    g = analyse(trace(zs.fn, *args), "h100")
+    assert _device_bytes(_compile_h100(g, plan_lib.unplanned(g), args)) == _device_bytes(plain)

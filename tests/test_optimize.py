@@ -1,0 +1,224 @@
+"""``@jaxmem.optimize`` and ``jaxmem.Config``: a drop-in for jit that fits its budget."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem
+from jaxmem.config import parse_bytes
+from jaxmem.errors import InfeasibleBudgetError
+
+MiB = 1 << 20
+CPU_1GIB = jaxmem.Config(budget="1GiB", target="cpu")
+
+
+def _mlp_loss(params, x):
+    for w1, w2 in params:
+        x = x + jax.nn.gelu(x @ w1) @ w2
+    return jnp.sum(x ** 2)
+
+
+def _mlp_args(layers=3, batch=32, width=16, hidden=64, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 2 * layers + 1)
+    params = [(jax.random.normal(keys[2 * i], (width, hidden)) / width,
+               jax.random.normal(keys[2 * i + 1], (hidden, width)) / hidden)
+              for i in range(layers)]
+    return params, jax.random.normal(keys[-1], (batch, width))
+
+
+def _same(a, b) -> bool:
+    return all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+### Config
+
+
+@pytest.mark.parametrize("value, expected", [
+    (1024, 1024), ("60GiB", 60 << 30), ("512 MiB", 512 << 20), ("1.5GB", 1_500_000_000)])
+def test_sizes_parse(value, expected):
+    assert parse_bytes(value) == expected
+
+
+def test_fraction_budgets_scale_with_the_target():
+    assert jaxmem.Config(budget=0.5).budget_bytes("h100") == \
+        jaxmem.targets.get("h100").memory_bytes // 2
+    assert jaxmem.Config().budget_bytes("h100") == jaxmem.targets.get("h100").default_budget_bytes
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"target": "a100"}, "allowed targets"),
+    ({"budget": "lots"}, "is not a size"),
+    ({"budget": 1.5}, "fraction"),
+    ({"budget": -3}, "positive"),
+    ({"planner": "nope"}, "not a registered planner"),
+    ({"planner": "full"}, "peer policy"),
+    ({"on_over_budget": "ignore"}, "allowed values"),
+    ({"allow_remat": "yes"}, "True or False"),
+    ({"verify_rounds": 0}, ">= 1"),
+])
+def test_invalid_config_values_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jaxmem.Config(**kwargs)
+
+
+### The decorator
+
+
+def test_bare_and_with_arguments_give_the_plain_results():
+    params, x = _mlp_args()
+    plain = jax.jit(jax.grad(_mlp_loss))(params, x)
+
+    @jaxmem.optimize
+    def bare(params, x):
+        return jax.grad(_mlp_loss)(params, x)
+
+    @jaxmem.optimize(config=CPU_1GIB)
+    def configured(params, x):
+        return jax.grad(_mlp_loss)(params, x)
+
+    assert _same(configured(params, x), plain)
+    assert _same(bare(params, x), plain)
+    assert configured.__wrapped__.__name__ == "configured"
+
+
+def test_same_shapes_plan_and_compile_once():
+    params, x = _mlp_args()
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=CPU_1GIB)
+    first = step(params, x)
+    second = step(params, x)
+    assert _same(first, second)
+    info = step.cache_info()
+    assert (info.entries, info.plans, info.compiles) == (1, 1, 1)
+    step(*_mlp_args(batch=16))
+    assert step.cache_info().entries == 2
+
+
+def test_plan_and_lower_without_running():
+    params, x = _mlp_args()
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=CPU_1GIB)
+    plan = step.plan(params, x)
+    assert isinstance(plan, jaxmem.Plan) and plan.status == "ok"
+    assert step.cache_info().compiles == 0
+    lowered = step.lower(params, x)
+    assert isinstance(lowered, jax.stages.Lowered)
+    assert _same(lowered.compile()(params, x), jax.jit(jax.grad(_mlp_loss))(params, x))
+
+
+def test_static_and_donated_arguments():
+    params, x = _mlp_args()
+
+    @jaxmem.optimize(config=CPU_1GIB, static_argnums=(2,), donate_argnums=(0,))
+    def step(params, x, scale):
+        grads = jax.grad(_mlp_loss)(params, x)
+        return jax.tree_util.tree_map(lambda p, g: p - scale * g, params, grads)
+
+    expected = jax.jit(step.__wrapped__, static_argnums=(2,))(params, x, 0.1)
+    fresh = jax.tree_util.tree_map(jnp.copy, params)
+    out = step(fresh, x, 0.1)
+    assert _same(out, expected)
+    assert all(p.is_deleted() for p in jax.tree_util.tree_leaves(fresh))
+    step(jax.tree_util.tree_map(jnp.copy, params), x, 0.2)
+    assert step.cache_info().entries == 2
+    with pytest.raises(ValueError, match="not hashable"):
+        step(params, x, [0.1])
+
+
+def test_static_argnames_and_keyword_arguments():
+    params, x = _mlp_args()
+
+    @jaxmem.optimize(config=CPU_1GIB, static_argnames="power")
+    def step(params, x, *, power):
+        return jax.grad(lambda p: _mlp_loss(p, x) ** power)(params)
+
+    assert _same(step(params, x, power=2), jax.jit(step.__wrapped__, static_argnames="power")(
+        params, x, power=2))
+
+
+def test_methods_are_planned_per_instance():
+    class Trainer:
+        def __init__(self, scale):
+            self.scale = scale
+
+        @jaxmem.optimize(config=CPU_1GIB)
+        def grads(self, params, x):
+            return jax.grad(lambda p: self.scale * _mlp_loss(p, x))(params)
+
+    params, x = _mlp_args()
+    one, two = Trainer(1.0), Trainer(2.0)
+    g1, g2 = one.grads(params, x), two.grads(params, x)
+    assert _same(g1, jax.jit(jax.grad(_mlp_loss))(params, x))
+    assert not _same(g1, g2)
+    assert isinstance(one.grads.plan(params, x), jaxmem.Plan)
+
+
+def test_measure_reports_the_planned_step():
+    params, x = _mlp_args()
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=CPU_1GIB)
+    report = step.measure(params, x)
+    assert report.target == "cpu" and report.device_bytes > 0 and report.flops > 0
+
+
+def test_unsupported_constructs_run_unplanned_with_a_warning(caplog):
+    def step(x):
+        jax.experimental.io_callback(lambda v: None, None, x)
+        return jnp.sin(x) * 2
+
+    optimized = jaxmem.optimize(step, config=CPU_1GIB)
+    x = jnp.arange(4.0)
+    with caplog.at_level(logging.WARNING, logger="jaxmem.optimize"):
+        out = optimized(x)
+    assert np.array_equal(out, jnp.sin(x) * 2)
+    assert "io_callback" in caplog.text and "unplanned" in caplog.text
+    assert optimized.cache_info().fallbacks == 1
+
+
+### The verify loop
+
+
+def test_a_budget_below_anything_reachable_raises():
+    params, x = _mlp_args()
+    step = jaxmem.optimize(jax.grad(_mlp_loss),
+                           config=jaxmem.Config(budget=4096, target="cpu", verify_rounds=2))
+    with pytest.raises(InfeasibleBudgetError) as info:
+        step(params, x)
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert err.budget_bytes == 4096
+    assert err.best_compiled_bytes > 4096 and err.min_feasible_bytes == err.best_compiled_bytes
+    assert "4,096 B" in str(err) and "on_over_budget" in str(err)
+
+
+def test_warn_runs_the_best_plan(caplog):
+    params, x = _mlp_args()
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+        budget=4096, target="cpu", verify_rounds=2, on_over_budget="warn"))
+    with caplog.at_level(logging.WARNING, logger="jaxmem.optimize"):
+        out = step(params, x)
+    assert _same(out, jax.jit(jax.grad(_mlp_loss))(params, x))
+    assert "no plan fits" in caplog.text
+    assert step.plan(params, x).status == "over_budget"
+
+
+def test_mlp_bench_offload_only_fits_200_mib_on_h100():
+    """DESIGN.md's probe: 8 layers, batch 8192, width 256, hidden 1024, f32, gradients only."""
+    t = jaxmem.targets.get("h100")
+    params = [(jax.ShapeDtypeStruct((256, 1024), jnp.float32),
+               jax.ShapeDtypeStruct((1024, 256), jnp.float32)) for _ in range(8)]
+    args = t.place((params, jax.ShapeDtypeStruct((8192, 256), jnp.float32)))
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+        budget="200MiB", target="h100", allow_remat=False))
+    rounds = step.rounds(*args)
+    plan = step.plan(*args)
+    assert plan.status == "ok" and not plan.remat and plan.offload
+    assert rounds[-1].compiled_bytes <= 200 * MiB
+    unplanned = jax.jit(jax.grad(_mlp_loss)).lower(*args).compile().memory_analysis()
+    assert rounds[-1].compiled_bytes < unplanned.temp_size_in_bytes
+    for before, after in zip(rounds, rounds[1:]):  # over budget -> a tighter planner budget
+        assert before.compiled_bytes > 200 * MiB
+        assert after.planner_budget_bytes < before.planner_budget_bytes
