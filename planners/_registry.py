@@ -29,6 +29,11 @@ class Entry:
 
 _ENTRIES: dict[str, Entry] = {}
 
+# Options ``jaxmem.Config.planner_options()`` passes to every planner. A planner
+# that has no use for one of them ignores it; other unknown options are errors.
+COMMON_OPTIONS = frozenset({"allow_remat", "allow_offload", "allow_reorder", "allow_state_offload",
+                            "host_budget_bytes", "time_limit_s", "seed"})
+
 # Peers: the stock JAX checkpoint policies and MaxText-style presets (DESIGN.md §6).
 _PEERS = {
     "none": "XLA as is: no remat, no offload",

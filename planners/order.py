@@ -548,7 +548,8 @@ def order_bfs(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     ``min_gain`` (the least relative peak saving worth moving ops for, default 1%).
     """
     started = time.perf_counter()
-    opts = check_options("order_bfs", options, {"fine_tune_s": 5.0, "min_gain": 0.01})
+    opts = check_options("order_bfs", options, {"fine_tune_s": 5.0, "min_gain": 0.01},
+                         does=("reorder",))
     return _list_planner("order_bfs", graph, budget_bytes, cost_model, opts, started)
 
 
@@ -561,7 +562,7 @@ def order_dfs(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     """
     started = time.perf_counter()
     opts = check_options("order_dfs", options,
-                         {"window": 8, "fine_tune_s": 5.0, "min_gain": 0.01})
+                         {"window": 8, "fine_tune_s": 5.0, "min_gain": 0.01}, does=("reorder",))
     return _list_planner("order_dfs", graph, budget_bytes, cost_model, opts, started)
 
 
@@ -575,7 +576,7 @@ def order_ilp(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     (for the fallback), ``min_gain`` (the least relative peak saving worth
     moving ops for, default 1%; 0 keeps the ILP's optimum however small its gain).
     """
-    opts = check_options("order_ilp", options, _DEFAULTS)
+    opts = check_options("order_ilp", options, _DEFAULTS, does=("reorder",))
     started = time.perf_counter()
     prob = OrderProblem.from_graph(graph)
     program = list(range(prob.n))

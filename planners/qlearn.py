@@ -225,7 +225,7 @@ def learn(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     ``kwargs`` / ``repeats`` (for ``"measure"``), ``warmup_graph`` /
     ``warmup_episodes`` / ``warmup_args``.
     """
-    opts = check_options("qlearn", options, _DEFAULTS)
+    opts = check_options("qlearn", options, _DEFAULTS, does=("offload",))
     if opts["feedback"] not in ("model", "measure"):
         raise ValueError(f"qlearn feedback must be 'model' or 'measure'; got {opts['feedback']!r}")
     choices = tuple(opts["choices"])

@@ -65,6 +65,7 @@ import numpy as np
 from jaxmem import plan as plan_lib
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import MemGraph
+from jaxmem.planners._registry import COMMON_OPTIONS
 from jaxmem.planners._registry import register
 
 logger = logging.getLogger(__name__)
@@ -77,9 +78,23 @@ _BAD_OPTION = ("planner {planner!r} got unknown option(s) {unknown}; it accepts 
 
 
 def check_options(planner: str, options: Mapping[str, Any] | None,
-                  defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """``defaults`` updated with ``options``; unknown keys raise ``ValueError`` naming them."""
+                  defaults: Mapping[str, Any], does: Iterable[str] = ()) -> dict[str, Any]:
+    """``defaults`` updated with ``options``; unknown keys raise ``ValueError`` naming them.
+
+    The options every planner receives from ``Config`` (``COMMON_OPTIONS``) are
+    dropped when this planner has no use for them, except that an
+    ``allow_<kind>=False`` for a kind of decision the planner always makes
+    (``does``: ``"remat"``, ``"offload"``, ``"reorder"``) is an error: the
+    planner cannot honour it, and ignoring it would break the user's config.
+    """
     options = dict(options or {})
+    refused = sorted(kind for kind in does if options.get(f"allow_{kind}") is False)
+    if refused:
+        raise ValueError(
+            f"planner {planner!r} always plans {', '.join(refused)}, but the config forbids it "
+            f"({', '.join(f'allow_{k}=False' for k in refused)}, or JAXMEM_LEVEL); choose "
+            f"'greedy' or 'cpsat', which honour every allow_* option")
+    options = {k: v for k, v in options.items() if k in defaults or k not in COMMON_OPTIONS}
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         raise ValueError(_BAD_OPTION.format(planner=planner, unknown=unknown,
@@ -397,7 +412,7 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     Traceback (most recent call last):
     ValueError: planner 'sublinear' got unknown option(s) ['round']; it accepts [...]...
     """
-    opts = check_options("sublinear", options, _SUBLINEAR_DEFAULTS)
+    opts = check_options("sublinear", options, _SUBLINEAR_DEFAULTS, does=("remat",))
     if opts["rounds"] < 1 or opts["factor"] <= 1.0:
         raise ValueError(f"sublinear needs rounds >= 1 and factor > 1; got rounds="
                          f"{opts['rounds']}, factor={opts['factor']}")
@@ -467,7 +482,7 @@ def chen(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     ``short_lifetime`` (residuals always kept, as in :func:`sublinear`).
     The plan is fixed by the graph; the budget only decides the status.
     """
-    opts = check_options("chen", options, _CHEN_DEFAULTS)
+    opts = check_options("chen", options, _CHEN_DEFAULTS, does=("remat",))
     started = time.perf_counter()
     res = find_residuals(graph)
     prof = profile(graph, res, cost_model, small_fraction=opts["small_fraction"],

@@ -126,7 +126,7 @@ _DEFAULTS = {"ahead": 1}
 def _static(which: Which, graph: MemGraph, budget_bytes: int, cost_model: CostModel,
             options: Mapping[str, Any] | None) -> plan_lib.Plan:
     name = f"vdnn_{which}"
-    opts = check_options(name, options, _DEFAULTS)
+    opts = check_options(name, options, _DEFAULTS, does=("offload",))
     started = time.perf_counter()
     res = find_residuals(graph)
     chosen = offload_candidates(graph, res, which)
@@ -162,7 +162,7 @@ def vdnn_dynamic(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
 
     Options: ``ahead`` (layers between the prefetch and the use, default 1).
     """
-    opts = check_options("vdnn_dynamic", options, _DEFAULTS)
+    opts = check_options("vdnn_dynamic", options, _DEFAULTS, does=("offload", "remat"))
     started = time.perf_counter()
     res = find_residuals(graph)
     trail: list[str] = []

@@ -1,0 +1,196 @@
+"""Turn a :class:`ModelSpec` into a pure step function with abstract example arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Literal
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxmem import targets as _targets
+from jaxmem.models import gpt2, llama, mlp, resnet, unet, vgg
+from jaxmem.models._spec import Batch, ModelSpec
+from jaxmem.models.policies import PolicyName, check_policy
+
+logger = logging.getLogger(__name__)
+
+StepKind = Literal["train", "grad"]
+Size = Literal["tiny", "bench"]
+
+SIZES: tuple[str, ...] = ("tiny", "bench")
+STEPS: tuple[str, ...] = ("train", "grad")
+
+_SPECS: dict[str, ModelSpec] = {
+    s.name: s for s in (mlp.SPEC, vgg.SPEC, resnet.SPEC, unet.SPEC, gpt2.SPEC, llama.SPEC)}
+
+_UNKNOWN = "unknown {what} {value!r}; allowed: {allowed}"
+_NO_SCAN = (
+    "model {name!r} has no nn.scan variant (scan=True was passed); its blocks are not "
+    "identical layers. Models with one: {allowed}. Pass scan=False.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooStep:
+    """A zoo train or gradient step, ready to jit, lower or run.
+
+    Attributes:
+      fn: the pure, un-jitted step. ``step="train"``: ``fn(state, batch) ->
+        (new_state, {"loss": loss})`` with AdamW inside; ``step="grad"``:
+        ``fn(params, batch) -> (loss, grads)`` over all parameters.
+      args: abstract example arguments (``jax.ShapeDtypeStruct`` pytrees), one
+        per positional argument of ``fn``; nothing is allocated to build them.
+      make_args: ``make_args(seed=0)`` gives concrete arguments of the same
+        structure (meant for ``tiny`` sizes on the CPU).
+      donate_argnums: ``(0,)`` for a train step (the state is donated), ``()``
+        for a gradient step.
+      arg_roles: the role of each positional argument (``"state"``,
+        ``"params"``, ``"batch"``).
+      name, size, policy, scan, step: what ``build`` was asked for.
+      config: the size's model configuration.
+    """
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    make_args: Callable[..., tuple[Any, ...]]
+    donate_argnums: tuple[int, ...]
+    arg_roles: tuple[str, ...]
+    name: str
+    size: str
+    policy: str
+    scan: bool
+    step: str
+    config: Any = None
+
+    def lower(self, target: "str | _targets.Target" = "h100") -> jax.stages.Lowered:
+        """Jit (with the step's donation) and lower for ``target`` with the abstract args."""
+        t = _targets.get(target)
+        jitted = jax.jit(self.fn, donate_argnums=self.donate_argnums)
+        return jitted.lower(*t.place(self.args))
+
+    def compile(self, target: "str | _targets.Target" = "h100") -> jax.stages.Compiled:
+        """Lower and compile for ``target`` with the target's compiler options."""
+        t = _targets.get(target)
+        return self.lower(t).compile(compiler_options=t.compiler_options)
+
+
+def names() -> list[str]:
+    """The zoo's model names."""
+    return list(_SPECS)
+
+
+def spec(name: str) -> ModelSpec:
+    """The :class:`ModelSpec` of model ``name``.
+
+    Raises:
+      ValueError: for an unknown name, listing the known ones.
+    """
+    try:
+        return _SPECS[name]
+    except KeyError:
+        raise ValueError(_UNKNOWN.format(what="model", value=name, allowed=", ".join(_SPECS))) from None
+
+
+def build(name: str, size: Size | str = "tiny", *, step: StepKind | str = "train",
+          policy: PolicyName | str = "none", scan: bool = False) -> ZooStep:
+    """Build a zoo step.
+
+    Args:
+      name: a model from :func:`names`.
+      size: ``"tiny"`` (tests: compiles in seconds) or ``"bench"`` (the real
+        single-GPU workload of DESIGN.md §5).
+      step: ``"train"`` (loss, gradients and an AdamW update) or ``"grad"``
+        (``jax.value_and_grad`` of the loss over all parameters).
+      policy: a peer from ``jaxmem.models.POLICIES``, applied to every repeated block.
+      scan: use the ``nn.scan``-over-layers variant (``mlp``, ``gpt2``, ``llama``).
+
+    Returns:
+      A :class:`ZooStep`.
+
+    Raises:
+      ValueError: for an unknown model, size, step or policy, or ``scan=True``
+        on a model without a scan variant.
+
+    >>> zs = build("mlp", "tiny", step="grad", policy="full")
+    >>> zs.arg_roles
+    ('params', 'batch')
+    """
+    s = spec(name)
+    if size not in s.configs:
+        raise ValueError(_UNKNOWN.format(what="size", value=size, allowed=", ".join(SIZES)))
+    if step not in STEPS:
+        raise ValueError(_UNKNOWN.format(what="step", value=step, allowed=", ".join(STEPS)))
+    check_policy(policy)
+    if scan and not s.has_scan:
+        allowed = ", ".join(n for n, x in _SPECS.items() if x.has_scan)
+        raise ValueError(_NO_SCAN.format(name=name, allowed=allowed))
+
+    config = s.configs[size]
+    module = s.module(config, policy, scan)
+    # Parameters come from the un-rematerialized module, so every policy starts
+    # from identical parameters (remat never changes the parameter tree).
+    init_module = s.module(config, "none", scan)
+    batch_spec = s.batch_spec(config)
+    tx = optax.adamw(s.learning_rate)
+
+    def init_state(key: jax.Array) -> dict[str, Any]:
+        dummy = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), batch_spec)
+        variables = dict(init_module.init(key, *s.inputs(dummy)))
+        params = variables.pop("params")
+        state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        state.update({col: variables[col] for col in s.mutable})
+        return state
+
+    def loss_and_updates(params: Any, model_state: dict[str, Any], batch: Batch
+                         ) -> tuple[jax.Array, dict[str, Any]]:
+        variables = {"params": params, **model_state}
+        if s.mutable:
+            out, updates = module.apply(variables, *s.inputs(batch), mutable=list(s.mutable))
+        else:
+            out, updates = module.apply(variables, *s.inputs(batch)), {}
+        return s.loss(out, batch), dict(updates)
+
+    def train_step(state: dict[str, Any], batch: Batch) -> tuple[dict[str, Any], dict[str, Any]]:
+        model_state = {col: state[col] for col in s.mutable}
+        (loss, updates), grads = jax.value_and_grad(loss_and_updates, has_aux=True)(
+            state["params"], model_state, batch)
+        deltas, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        new_state = {"params": optax.apply_updates(state["params"], deltas),
+                     "opt_state": opt_state, "step": state["step"] + 1}
+        new_state.update({col: updates[col] for col in s.mutable})
+        return new_state, {"loss": loss}
+
+    def grad_step(params: Any, batch: Batch) -> tuple[jax.Array, Any]:
+        # Mutable collections (BatchNorm statistics) are created fresh inside
+        # the step and dropped: in training mode the loss reads only the batch
+        # statistics, never the running averages.
+        return jax.value_and_grad(lambda p: loss_and_updates(p, {}, batch)[0])(params)
+
+    state_spec = jax.eval_shape(init_state, jax.random.key(0))
+
+    if step == "train":
+        fn: Callable[..., Any] = train_step
+        args: tuple[Any, ...] = (state_spec, batch_spec)
+        roles, donate = ("state", "batch"), (0,)
+    else:
+        fn, args = grad_step, (state_spec["params"], batch_spec)
+        roles, donate = ("params", "batch"), ()
+
+    init_jit = jax.jit(init_state)
+    batch_jit = jax.jit(lambda key: s.make_batch(config, key))
+
+    def make_args(seed: int = 0) -> tuple[Any, ...]:
+        # The "rbg" generator: XLA's RngBitGenerator compiles several times
+        # faster than threefry's unrolled rounds for many-parameter inits.
+        k_init, k_batch = jax.random.split(jax.random.key(seed, impl="rbg"))
+        state, batch = init_jit(k_init), batch_jit(k_batch)
+        return (state, batch) if step == "train" else (state["params"], batch)
+
+    logger.debug("built %s/%s step=%s policy=%s scan=%s", name, size, step, policy, scan)
+    return ZooStep(fn=fn, args=args, make_args=make_args, donate_argnums=donate, arg_roles=roles,
+                   name=name, size=size, policy=policy, scan=scan, step=step, config=config)
+
+
+__all__ = ["SIZES", "STEPS", "ZooStep", "build", "names", "spec"]

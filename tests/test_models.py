@@ -1,0 +1,376 @@
+"""The model zoo (``jaxmem.models``) at tiny sizes: builds, compiles, exactness of the peer policies.
+
+Compiled executables are cached per (model, scan, step, policy, target) so the
+compile-matrix tests and the exactness tests share the unplanned CPU step.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem.models as zoo
+import jaxmem.planners
+from jaxmem import targets
+from jaxmem.models import policies
+
+VARIANTS = [(name, scan) for name in zoo.names()
+            for scan in ((False, True) if zoo.spec(name).has_scan else (False,))]
+VARIANT_IDS = [f"{n}-scan" if s else n for n, s in VARIANTS]
+
+
+### Helpers
+
+
+@functools.lru_cache(maxsize=None)
+def _step(name: str, scan: bool, step: str, policy: str = "none") -> zoo.ZooStep:
+    return zoo.build(name, "tiny", step=step, policy=policy, scan=scan)
+
+
+def _is_bf16(zs: zoo.ZooStep) -> bool:
+    return any(a.dtype == jnp.bfloat16 for a in jax.tree_util.tree_leaves(zs.args))
+
+
+def _cpu_options(zs: zoo.ZooStep) -> dict[str, Any]:
+    """The CPU target's options; for bfloat16 models also exact bfloat16 rounding.
+
+    By default (``xla_allow_excess_precision=True``) XLA:CPU keeps bfloat16
+    intermediates in float32 inside a fused kernel and rounds only what it
+    writes to memory. Remat moves fusion boundaries, so a value that ``none``
+    stores (rounded to bfloat16) is recomputed and consumed unrounded: the
+    llama step then differs from ``none`` by bfloat16 ulps. With the flag off,
+    every bfloat16 op rounds as written and remat is bitwise again.
+    """
+    options = dict(targets.get("cpu").compiler_options)
+    if _is_bf16(zs):
+        options["xla_allow_excess_precision"] = False
+    return options
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(name: str, scan: bool, step: str, policy: str, target: str) -> jax.stages.Compiled:
+    zs = _step(name, scan, step, policy)
+    if target == "cpu":
+        return zs.lower("cpu").compile(compiler_options=_cpu_options(zs))
+    return zs.compile(target)
+
+
+@functools.lru_cache(maxsize=None)
+def _host_args(name: str, scan: bool, step: str) -> tuple[Any, ...]:
+    # Kept as NumPy: the train step donates its state, so every call gets fresh
+    # device buffers. A gradient step takes the train state's parameters.
+    state, batch = jax.tree_util.tree_map(np.asarray, _step(name, scan, "train").make_args(0))
+    return (state, batch) if step == "train" else (state["params"], batch)
+
+
+def _run(name: str, scan: bool, step: str, policy: str) -> Any:
+    args = jax.tree_util.tree_map(jnp.asarray, _host_args(name, scan, step))
+    return jax.tree_util.tree_map(np.asarray, _compiled(name, scan, step, policy, "cpu")(*args))
+
+
+def _program_groups(name: str, scan: bool, step: str) -> list[list[str]]:
+    """Peer policies grouped by identical lowered programs (identical programs give identical results)."""
+    groups: dict[str, list[str]] = {}
+    for policy in zoo.POLICIES:
+        if policy == "none":
+            continue
+        text = _step(name, scan, step, policy).lower("cpu").as_text()
+        groups.setdefault(hashlib.sha256(text.encode()).hexdigest(), []).append(policy)
+    return list(groups.values())
+
+
+def _leaves(tree: Any) -> list[tuple[str, np.ndarray]]:
+    return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _mismatches(ref: Any, out: Any) -> list[str]:
+    bad = []
+    for (path, a), (_, b) in zip(_leaves(ref), _leaves(out), strict=True):
+        if a.shape != b.shape or a.dtype != b.dtype or not np.array_equal(a, b):
+            diff = np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))) if a.size else 0.0
+            bad.append(f"{path}: max |diff| {diff:.3g}")
+    return bad
+
+
+def _jaxpr_names(jaxpr: Any) -> set[str]:
+    """Every ``checkpoint_name`` in a jaxpr, sub-jaxprs included."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            found.add(eqn.params["name"])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found |= _jaxpr_names(inner)
+    return found
+
+
+### Building
+
+
+def test_public_tables() -> None:
+    assert zoo.names() == ["mlp", "vgg16", "resnet50", "unet", "gpt2", "llama"]
+    assert zoo.SIZES == ("tiny", "bench")
+    assert set(zoo.POLICIES) == set(jaxmem.planners.peers())
+
+
+@pytest.mark.parametrize("kwargs, bad", [
+    ({"name": "bert"}, "bert"),
+    ({"size": "huge"}, "huge"),
+    ({"policy": "cpsat"}, "cpsat"),
+    ({"step": "eval"}, "eval"),
+    ({"name": "vgg16", "scan": True}, "vgg16"),
+])
+def test_build_rejects_unknown_values(kwargs: dict[str, Any], bad: str) -> None:
+    args = {"name": "mlp", **kwargs}
+    with pytest.raises(ValueError, match="allowed|with one") as info:
+        zoo.build(args.pop("name"), **args)
+    assert repr(bad) in str(info.value)
+
+
+def test_zoo_step_fields() -> None:
+    train = _step("resnet50", False, "train")
+    assert train.donate_argnums == (0,) and train.arg_roles == ("state", "batch")
+    assert set(train.args[0]) == {"params", "opt_state", "step", "batch_stats"}
+    assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree_util.tree_leaves(train.args))
+    grad = _step("gpt2", True, "grad")
+    assert grad.donate_argnums == () and grad.arg_roles == ("params", "batch")
+    assert (grad.name, grad.size, grad.policy, grad.scan, grad.step) == ("gpt2", "tiny", "none", True, "grad")
+    assert "layers" in grad.args[0]  # the scanned stack holds all blocks' parameters
+
+
+def _conv(k: int, cin: int, cout: int, bias: bool = True) -> int:
+    return k * k * cin * cout + (cout if bias else 0)
+
+
+def _unet_params(features: tuple[int, ...], bottom: int, channels: int) -> int:
+    total, cin = 0, channels
+    for f in features:
+        total += _conv(3, cin, f) + _conv(3, f, f)
+        cin = f
+    total += _conv(3, cin, bottom) + _conv(3, bottom, bottom)
+    cin = bottom
+    for f in reversed(features):
+        total += _conv(2, cin, f) + _conv(3, 2 * f, f) + _conv(3, f, f)
+        cin = f
+    return total + _conv(1, cin, channels)
+
+
+# Published parameter counts of the architectures the bench sizes reproduce
+# (torchvision VGG-16 / ResNet-50, OpenAI GPT-2 small, Meta Llama-3.2-1B).
+BENCH_PARAMS = {
+    "mlp": 8 * 2 * 256 * 1024,
+    "vgg16": 138_357_544,
+    "resnet50": 25_557_032,
+    "unet": _unet_params((64, 128, 256, 512), 1024, 3),
+    "gpt2": 124_439_808,
+    "llama": 1_235_814_400,
+}
+
+
+@pytest.mark.parametrize("name", zoo.names())
+def test_bench_size_is_the_real_network(name: str) -> None:
+    zs = zoo.build(name, "bench", step="grad")
+    leaves = jax.tree_util.tree_leaves(zs.args[0])
+    assert all(isinstance(a, jax.ShapeDtypeStruct) for a in leaves)
+    assert sum(int(np.prod(a.shape)) for a in leaves) == BENCH_PARAMS[name]
+    want_dtype = jnp.bfloat16 if name == "llama" else jnp.float32
+    assert {a.dtype for a in leaves} == {jnp.dtype(want_dtype)}
+
+
+def test_make_args_is_seeded() -> None:
+    zs = _step("mlp", False, "grad")
+    again = jax.tree_util.tree_map(np.asarray, zs.make_args(0))
+    other = jax.tree_util.tree_map(np.asarray, zs.make_args(1))
+    assert not _mismatches(_host_args("mlp", False, "grad"), again)
+    assert _mismatches(_host_args("mlp", False, "grad"), other)
+    assert jax.tree_util.tree_structure(again) == jax.tree_util.tree_structure(zs.args)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("mlp", {"decoder_layer_input", "mlpwi", "mlpwo"}),
+    ("vgg16", {"decoder_layer_input"}),
+    ("resnet50", {"decoder_layer_input"}),
+    ("unet", {"decoder_layer_input"}),
+    ("gpt2", {"decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj",
+              "mlpwi", "mlpwo"}),
+    ("llama", {"decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj",
+               "mlpwi_0", "mlpwi_1", "mlpwo"}),
+])
+def test_blocks_tag_their_tensors(name: str, expected: set[str]) -> None:
+    zs = _step(name, False, "grad")
+    assert _jaxpr_names(jax.make_jaxpr(zs.fn)(*zs.args).jaxpr) == expected
+
+
+### Compiling
+
+
+# h200 runs the same compiler as h100 with another device description: CI
+# compiles one step for it (GPT-2's train step) and the slow sweep all others,
+# to keep this file within its CI time.
+COMPILE_CASES = [
+    pytest.param(target, name, scan, step, id=f"{target}-{vid}-{step}",
+                 marks=[pytest.mark.slow]
+                 if target == "h200" and (name, scan, step) != ("gpt2", False, "train") else [])
+    for target in ("h100", "h200", "cpu")
+    for (name, scan), vid in zip(VARIANTS, VARIANT_IDS)
+    for step in ("train", "grad")
+]
+
+
+@pytest.mark.parametrize("target, name, scan, step", COMPILE_CASES)
+def test_compiles_for_every_target(target: str, name: str, scan: bool, step: str) -> None:
+    mem = _compiled(name, scan, step, "none", target).memory_analysis()
+    zs = _step(name, scan, step)
+    arg_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(zs.args))
+    assert mem.argument_size_in_bytes == arg_bytes
+    if step == "train":  # the donated state comes back in place
+        state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(zs.args[0]))
+        assert mem.alias_size_in_bytes == state_bytes
+    assert mem.temp_size_in_bytes > 0
+
+
+def test_mlp_bench_reproduces_the_design_probe() -> None:
+    """The zoo's mlp equals a hand-written JAX MLP (DESIGN.md §3) in compiled H100 memory."""
+    t = targets.get("h100")
+
+    def loss(ws: list[tuple[jax.Array, jax.Array]], x: jax.Array) -> jax.Array:
+        for w1, w2 in ws:
+            x = x + jax.nn.gelu(x @ w1) @ w2
+        return jnp.sum(x**2)
+
+    def layer(x: jax.Array, w: tuple[jax.Array, jax.Array]) -> jax.Array:
+        return x + jax.nn.gelu(x @ w[0]) @ w[1]
+
+    def loss_remat(ws: list[tuple[jax.Array, jax.Array]], x: jax.Array) -> jax.Array:
+        for w in ws:
+            x = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)(x, w)
+        return jnp.sum(x**2)
+
+    f32 = jnp.float32
+    ws = [(jax.ShapeDtypeStruct((256, 1024), f32), jax.ShapeDtypeStruct((1024, 256), f32))] * 8
+    x = jax.ShapeDtypeStruct((8192, 256), f32)
+
+    def device_bytes(compiled: jax.stages.Compiled) -> int:
+        m = compiled.memory_analysis()
+        return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+                - m.alias_size_in_bytes)
+
+    for policy, fn in (("none", loss), ("full", loss_remat)):
+        probe = jax.jit(jax.value_and_grad(fn)).lower(*t.place((ws, x))).compile()
+        zoo_step = zoo.build("mlp", "bench", step="grad", policy=policy).compile("h100")
+        assert device_bytes(zoo_step) == device_bytes(probe), policy
+
+
+### Exactness of the peer policies on the CPU
+
+# Scanned GPT-2 blocks are the one case found where remat is not bitwise on
+# XLA:CPU. The programs compute the same arithmetic: with XLA's fusion pass
+# disabled (XLA_FLAGS=--xla_disable_hlo_passes=fusion) every policy is bitwise.
+# What differs is rounding inside fused kernels, which XLA:CPU does not keep
+# independent of where fusion boundaries fall: it always lets LLVM contract a
+# multiply and an add into one FMA (AllowFPOpFusion::Fast, no flag turns it
+# off) and emits reductions with `reassoc`, so LLVM may sum a fused loop in
+# 8-wide partial sums. The divergence starts where the first LayerNorm's
+# `scale * rsqrt(var + eps)` is recomputed inside the backward while-loop
+# (recomputing only that multiply reproduces it) and it persists without FMA
+# (XLA_FLAGS=--xla_cpu_max_isa=AVX), so reassociated reductions are the likely
+# remaining cause; no single kernel was pinned down. The loss stays bitwise.
+INEXACT_ON_CPU = {("gpt2", True)}
+# Bound for those cases: 16 ulps at the largest magnitude in the tree. Observed:
+# at most 6.5 ulps of a leaf's own maximum, except gradients that are zero in
+# exact arithmetic (GPT-2's key bias: softmax ignores a shift of all keys)
+# whose computed values are rounding noise at 1e-9 of the tree's scale.
+ULPS = 16
+
+
+def _assert_close_in_ulps(ref: Any, out: Any, what: str) -> None:
+    scale = max(float(np.max(np.abs(a))) for _, a in _leaves(ref) if a.size)
+    atol = ULPS * float(np.spacing(np.float32(scale)))
+    for (path, a), (_, b) in zip(_leaves(ref), _leaves(out), strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=atol, err_msg=f"{what} {path}")
+
+
+def _check_matches_none(name: str, scan: bool, step: str, policies_: list[str]) -> None:
+    ref = _run(name, scan, step, "none")
+    out = _run(name, scan, step, policies_[0])
+    if (name, scan) not in INEXACT_ON_CPU:
+        assert not _mismatches(ref, out), f"policies {policies_} differ from none: {_mismatches(ref, out)}"
+        return
+    if step == "grad":
+        (loss_ref, grads_ref), (loss, grads) = ref, out
+        assert loss == loss_ref, policies_
+        _assert_close_in_ulps(grads_ref, grads, f"{policies_} grads")
+        return
+    (state_ref, metrics_ref), (state, metrics) = ref, out
+    assert metrics["loss"] == metrics_ref["loss"], policies_
+    for moment in ("mu", "nu"):
+        _assert_close_in_ulps(getattr(state_ref["opt_state"][0], moment),
+                              getattr(state["opt_state"][0], moment), f"{policies_} {moment}")
+    # AdamW divides by sqrt(nu) + 1e-8, so a gradient that is rounding noise
+    # (the key bias) becomes a step of up to the learning rate in either run:
+    # parameters can differ by up to one learning rate there.
+    lr = zoo.spec(name).learning_rate
+    for (path, a), (_, b) in zip(_leaves(state_ref["params"]), _leaves(state["params"]), strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=lr, err_msg=f"{policies_} params {path}")
+
+
+# A fast selection for CI: every model, both steps, every distinct peer
+# (``minimal`` and ``minimal_offloaded`` lower to the same programs as
+# ``dots_no_batch`` and ``offload_dots_no_batch``; see the test below); the
+# slow sweep runs every distinct program of every variant and step. On the
+# CPU, jax 0.10.2 lowers a device_put to a memory space as the identity (the
+# placement annotation is emitted for the gpu and tpu platforms only), so an
+# offload policy runs there as "save these residuals": it is exercised, but no
+# host copy is; the H100 test below checks that the host copies exist.
+EXACTNESS_CASES = [
+    ("mlp", True, "grad", "offload_dots_no_batch"),  # offload out of a scan body
+    ("vgg16", False, "train", "dots"),
+    ("resnet50", False, "train", "full"),  # BatchNorm statistics updated under remat
+    ("unet", False, "grad", "dots"),
+    ("gpt2", False, "grad", "save_qkv_proj"),
+    ("gpt2", False, "train", "qkv_proj_offloaded"),
+    ("gpt2", True, "grad", "full"),  # the inexact case: loss bitwise, gradients within ULPS
+    ("llama", False, "grad", "save_dot_except_mlpwi"),  # bfloat16
+    ("llama", True, "train", "dots_no_batch"),
+]
+
+
+@pytest.mark.parametrize("name, scan, step, policy", EXACTNESS_CASES,
+                         ids=["-".join(map(str, c)) for c in EXACTNESS_CASES])
+def test_peer_policy_matches_none_on_cpu(name: str, scan: bool, step: str, policy: str) -> None:
+    _check_matches_none(name, scan, step, [policy])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", ["grad", "train"])
+@pytest.mark.parametrize("name, scan", VARIANTS, ids=VARIANT_IDS)
+def test_every_peer_policy_matches_none_on_cpu(name: str, scan: bool, step: str) -> None:
+    """The full sweep (about 80 distinct programs; minutes on 2 cores): run with ``-m slow``."""
+    for group in _program_groups(name, scan, step):
+        _check_matches_none(name, scan, step, group)
+
+
+def test_equivalent_presets_lower_to_the_same_program() -> None:
+    groups = _program_groups("gpt2", False, "grad")
+    assert ["dots_no_batch", "minimal"] in groups
+    assert ["offload_dots_no_batch", "minimal_offloaded"] in groups
+    assert len(groups) == 7  # every other peer is a distinct program on a transformer
+
+
+### Offload on the GPU target
+
+
+@pytest.mark.parametrize("policy", sorted(policies.OFFLOAD_POLICIES))
+def test_offload_policies_use_host_memory_on_h100(policy: str) -> None:
+    none = _compiled("gpt2", False, "grad", "none", "h100").memory_analysis()
+    mem = _compiled("gpt2", False, "grad", policy, "h100").memory_analysis()
+    assert none.host_temp_size_in_bytes == 0
+    assert mem.host_temp_size_in_bytes > 0
