@@ -89,20 +89,30 @@ class OrderProblem:
 
     @classmethod
     def from_graph(cls, graph: MemGraph) -> "OrderProblem":
-        """The problem of ``graph``, read off the schedule the plan code gives its program order.
+        """The problem of ``graph``, read off the steps the simulator scores for program order.
 
         Which buffers exist from the start, which ones an op allocates, which
-        are never freed and which each op reads are taken from
-        :func:`jaxmem.plan.build_schedule` of the unplanned step, so the
+        are never freed, which each op reads and how many bytes each takes are
+        taken from :func:`jaxmem.plan.steps_for_plan` (XLA's accounting:
+        arguments are never freed, outputs not aliased to a donated input hold
+        their own buffer for the whole step) and the sizes
+        :func:`jaxmem.plan.simulate_plan` passes to the simulator, so the
         evaluator counts exactly what :func:`jaxmem.plan.simulate_plan` counts
-        for any order.
+        for any order of an unplanned step (its events, reads and accounting
+        do not depend on the order; only when each buffer dies does).
         """
+        from jaxmem import simulate
+
         tensors, n = graph.tensors, len(graph.ops)
-        sched = plan_lib.build_schedule(graph, plan_lib.unplanned(graph))
-        steps, sizes = sched.steps(), sched.sizes()
-        if len(steps) != n + 1 or any(ev.kind != "op" for ev in sched.events):
+        plain = plan_lib.unplanned(graph)
+        sched = plan_lib.build_schedule(graph, plain)
+        steps = plan_lib.steps_for_plan(graph, plain)
+        if len(steps) != n + 1 or any(ev.kind != "op" or ev.op != i
+                                      for i, ev in enumerate(sched.events)):
             raise ValueError("the unplanned schedule has events other than one per op; "
                              "jaxmem.planners.order needs plain op steps")
+        sizes = simulate.buffer_sizes(graph)  # what simulate_steps does with simulate_plan's sizes
+        sizes.update(sched.sizes())
         universe = set(steps[0].alloc).union(*(s.alloc for s in steps[1:]))
         freed = set().union(*(s.free for s in steps))
         reads: list[tuple[int, ...]] = []
@@ -114,6 +124,30 @@ class OrderProblem:
         for op, read in enumerate(reads):
             for t in read:
                 readers.setdefault(t, []).append(op)
+        keep = frozenset(universe - freed)
+        # The simulator frees a buffer at its last reader (or, if nobody reads it, right
+        # after its producer) unless it is kept; check that this is what it does here.
+        dies_at: dict[int, set[int]] = {}
+        for t, r in readers.items():
+            if t not in keep:
+                dies_at.setdefault(r[-1], set()).add(t)
+        for i, step in enumerate(steps[1:]):
+            dead = {t for t in step.alloc if t not in readers and t not in keep}
+            last = dies_at.get(i, set())
+            if set(step.free) != dead | last:
+                raise ValueError(f"the simulator's frees at op {i} ({sorted(step.free)}) are not "
+                                 f"the last reads and dead outputs jaxmem.planners.order models "
+                                 f"({sorted(dead | last)})")
+        inplace = []
+        for op in graph.ops:
+            pairs = tuple((out, inp) for out, inp in op.inplace
+                          if out in steps[1 + op.id].alloc and inp in universe)
+            for out, inp in pairs:
+                if sizes.get(out, 0) != sizes.get(inp, 0):
+                    raise ValueError(f"op {op.id} may write t{out} ({sizes.get(out, 0)} B) in "
+                                     f"place into t{inp} ({sizes.get(inp, 0)} B); "
+                                     f"jaxmem.planners.order models equal sizes only")
+            inplace.append(pairs)
         preds = [sorted({tensors[t].producer for t in op.inputs
                          if tensors[t].producer is not None}) for op in graph.ops]
         succs: list[list[int]] = [[] for _ in range(n)]
@@ -124,9 +158,9 @@ class OrderProblem:
             n=n, preds=tuple(map(tuple, preds)), succs=tuple(map(tuple, succs)),
             size={t: sizes.get(t, 0) for t in universe}, reads=tuple(reads),
             allocs=tuple(steps[1 + op].alloc for op in range(n)),
-            inplace=tuple(tuple(op.inplace) for op in graph.ops),
+            inplace=tuple(inplace),
             transient=tuple(op.transient_bytes for op in graph.ops),
-            keep=frozenset(universe - freed),
+            keep=keep,
             input_bytes=sum(sizes.get(t, 0) for t in steps[0].alloc),
             readers={t: tuple(r) for t, r in readers.items()})
 
@@ -142,24 +176,30 @@ class OrderProblem:
     def evaluate(self, order: Sequence[int]) -> tuple[int, int, tuple[int, ...]]:
         """``(peak bytes, peak step, live bytes per step)``; step 0 holds the inputs.
 
-        Counts exactly what :func:`jaxmem.simulate.simulate` counts for a
-        plain order (liveness, no allocator).
+        Counts exactly what :func:`jaxmem.plan.simulate_plan` counts for a
+        plain order (liveness, no allocator): the same steps as
+        :func:`jaxmem.simulate.simulate_steps`, with the frees of ``order``.
         """
         last: dict[int, int] = {}
         for i, op in enumerate(order):
             for t in self.reads[op]:
                 last[t] = i
+        held: dict[int, int] = {}  # an output in a reused buffer holds the input's bytes
         live = self.input_bytes
         per_step = [live]
         for i, op in enumerate(order):
-            dying = {t for t in self.reads[op] if last[t] == i and t not in self.keep}
-            pairs = self.reused(op, dying)
-            grown = sum(self.size[t] for t in self.allocs[op] if t not in pairs)
-            per_step.append(live + grown + self.transient[op])
+            allocs = self.allocs[op]
+            free = [t for t in self.reads[op] if last[t] == i and t not in self.keep]
+            free += [t for t in allocs if t not in last and t not in self.keep]
+            pairs = self.reused(op, set(free))
+            for out, inp in pairs.items():
+                held[out] = held.pop(inp, self.size[inp])
+            live += sum(self.size[t] for t in allocs if t not in pairs)
+            per_step.append(live + self.transient[op])
             taken = set(pairs.values())
-            live += grown - sum(self.size[t] for t in dying if t not in taken)
-            live -= sum(self.size[t] for t in self.allocs[op]
-                        if t not in last and t not in self.keep)
+            for t in free:
+                if t not in taken:
+                    live -= held.pop(t, self.size[t])
         peak = max(per_step)
         return peak, per_step.index(peak), tuple(per_step)
 
