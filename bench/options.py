@@ -116,8 +116,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--models", help="comma list of zoo models (default: all)")
     p.add_argument("--size", choices=("tiny", "bench"), default="tiny",
                    help="model size (default: tiny)")
-    p.add_argument("--planners", help="comma list from jaxmem.planners.names() (default: the "
-                                      "peers); 'none' always runs as the reference")
+    p.add_argument("--planners", help="comma list from jaxmem.planners.names(), or 'all' (default: "
+                                      "the peers); 'none' always runs as the reference")
     p.add_argument("--budgets", help="comma list: bytes, 60GiB, 512MiB, a fraction such as 0.5 "
                                      "or 50%% of the unplanned step's compiled peak, or "
                                      "'default': the target's default budget, 75%% of its "

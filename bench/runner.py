@@ -98,7 +98,10 @@ def run(options: Options, *, builder: Builder | None = None) -> list[dict[str, A
 
 
 def _planner_names(wanted: list[str] | None) -> list[str]:
-    names = list(wanted) if wanted else registry.peers()
+    if wanted == ["all"]:
+        names = registry.names()
+    else:
+        names = list(wanted) if wanted else registry.peers()
     for name in names:
         registry.get(name)  # raises ValueError listing the known names
     return ["none"] + [n for n in dict.fromkeys(names) if n != "none"]
@@ -158,7 +161,18 @@ def _peer(model: str, policy: str, options: Options, target: targets.Target,
     except Exception as err:  # recorded in the results, not hidden
         logger.exception("compiling %s with policy %r for %s failed", model, policy, target.name)
         return _Outcome(error=_describe(err)), zoo
-    return _Outcome(report=report), zoo
+    return _Outcome(report=report, predicted_peak_bytes=_predict(zoo, target)), zoo
+
+
+def _predict(zoo: Any, target: targets.Target) -> int | None:
+    """The simulator's peak for the zoo step as it is (no plan): the MemGraph's prediction."""
+    try:
+        return jaxmem.predict_peak_bytes(zoo.fn, *zoo.args, target=target.name,
+                                         donate_argnums=zoo.donate_argnums,
+                                         arg_roles=zoo.arg_roles)
+    except Exception:  # the record keeps the compiled figures; the log says why
+        logger.exception("predicting the peak of %s (policy %r) failed", zoo.name, zoo.policy)
+        return None
 
 
 def _planned(name: str, zoo: Any, budget_bytes: int | None, target: targets.Target,
@@ -240,6 +254,9 @@ def _record(model: str, planner: str, kind: str, budget: Budget, budget_bytes: i
         "budget_bytes": budget_bytes, "target": target.name, "status": status,
         "compiled_peak_bytes": r.device_bytes if r else None,
         "predicted_peak_bytes": outcome.predicted_peak_bytes,
+        "prediction_error": (abs(outcome.predicted_peak_bytes - r.device_bytes) / r.device_bytes
+                             if r and r.device_bytes and outcome.predicted_peak_bytes is not None
+                             else None),
         "solve_time_s": outcome.solve_time_s,
         "min_feasible_bytes": outcome.min_feasible_bytes,
     }

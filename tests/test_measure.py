@@ -311,7 +311,7 @@ def test_roofline_takes_the_slower_of_compute_and_memory():
     m = CostModel.for_target("h100")
     assert m.op_time_s(989e12, 0, "bfloat16") == pytest.approx(1.0)
     assert m.op_time_s(67e12, 0, jnp.float32, "highest") == pytest.approx(1.0)
-    assert m.op_time_s(494.5e12, 0, jnp.float32) == pytest.approx(1.0)  # TF32 by default
+    assert m.op_time_s(495e12, 0, jnp.float32) == pytest.approx(1.0)  # TF32 by default
     assert m.op_time_s(1.0, 3.35e12, "bfloat16") == pytest.approx(1.0)
     assert m.copy_time_s(53e9, "d2h") == pytest.approx(1.0)
     assert m.copy_time_s(35e9, "h2d") == pytest.approx(1.0)
@@ -351,7 +351,7 @@ def test_async_host_copies_overlap_compute_and_sync_ones_stall():
 def test_float32_matmuls_run_at_the_rate_their_precision_asks_for():
     gpu, cpu = CostModel.for_target("h100"), CostModel.for_target("cpu")
     # JAX's default f32 matmul precision uses TF32 tensor cores on Ampere and later.
-    assert gpu.matmul_flops_per_s("float32") == gpu.flops_per_s("bfloat16") / 2
+    assert gpu.matmul_flops_per_s("float32") == gpu.flops_per_s("tensorfloat32") == 495e12
     assert gpu.matmul_flops_per_s("float32", "highest") == gpu.flops_per_s("float32")
     assert gpu.matmul_flops_per_s("float32", "dot_bf16_bf16_f32_x3") == pytest.approx(
         gpu.flops_per_s("bfloat16") / 3)
