@@ -100,6 +100,7 @@ class Options:
     scan: bool
     cpu_time: bool
     repeats: int
+    time_limit_s: float
     append: bool
     plot: bool
 
@@ -130,6 +131,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-time", action="store_true",
                    help="also run tiny steps on the CPU: median time ratio to 'none' and "
                         "bitwise equality of the outputs with 'none'")
+    p.add_argument("--time-limit-s", type=float, default=20.0,
+                   help="solver time limit per plan, passed to jaxmem.Config (default: 20)")
     p.add_argument("--repeats", type=int, default=5,
                    help="timed runs per step with --cpu-time, after one warm-up (default: 5)")
     p.add_argument("--append", action="store_true",
@@ -150,4 +153,5 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         p.error(f"--repeats must be at least 1; got {ns.repeats}")
     return Options(models=_names(ns.models), size=ns.size, planners=_names(ns.planners),
                    budgets=budgets, target=ns.target, out=ns.out, step=ns.step, scan=ns.scan,
-                   cpu_time=ns.cpu_time, repeats=ns.repeats, append=ns.append, plot=ns.plot)
+                   cpu_time=ns.cpu_time, repeats=ns.repeats, time_limit_s=ns.time_limit_s,
+                   append=ns.append, plot=ns.plot)

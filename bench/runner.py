@@ -141,7 +141,7 @@ def _bench_model(model: str, names: list[str], options: Options, target: targets
         else:
             for budget, nbytes in budgets:
                 _progress(f"{model}/{options.size}: planner {name!r}, budget {budget.text}")
-                outcome = _planned(name, zoo, nbytes, target, reference)
+                outcome = _planned(name, zoo, nbytes, target, reference, options.time_limit_s)
                 if cpu_args is not None and outcome.step is not None:
                     _cpu(outcome, outcome.step, cpu_args, options.repeats)
                 yield _record(model, name, "planner", budget, nbytes, outcome, reference, options,
@@ -169,21 +169,21 @@ def _predict(zoo: Any, target: targets.Target) -> int | None:
     try:
         return jaxmem.predict_peak_bytes(zoo.fn, *zoo.args, target=target.name,
                                          donate_argnums=zoo.donate_argnums,
-                                         arg_roles=zoo.arg_roles)
+                                         arg_roles=getattr(zoo, "arg_roles", None) or None)
     except Exception:  # the record keeps the compiled figures; the log says why
         logger.exception("predicting the peak of %s (policy %r) failed", zoo.name, zoo.policy)
         return None
 
 
 def _planned(name: str, zoo: Any, budget_bytes: int | None, target: targets.Target,
-             reference: _Outcome) -> _Outcome:
+             reference: _Outcome, time_limit_s: float = 20.0) -> _Outcome:
     """Plan, emit and compile the step with planner ``name`` through ``jaxmem.optimize``."""
     if zoo is None:
         return _Outcome(error=reference.error or "error: the step could not be built")
     if budget_bytes is None:
         return _Outcome(error=_unresolved(reference))
     try:
-        step = _optimize(name, zoo, budget_bytes, target)
+        step = _optimize(name, zoo, budget_bytes, target, time_limit_s)
         report = measure(step, *zoo.args, target=target)
         plan = _plan_of(step, target.place(zoo.args))
     except Exception as err:  # recorded in the results, not hidden
@@ -207,7 +207,8 @@ def _plan_of(step: Any, args: tuple[Any, ...]) -> Any:
     return plan(*args) if callable(plan) else plan
 
 
-def _optimize(name: str, zoo: Any, budget_bytes: int, target: targets.Target) -> Any:
+def _optimize(name: str, zoo: Any, budget_bytes: int, target: targets.Target,
+              time_limit_s: float = 20.0) -> Any:
     """The step planned by ``name``: ``jaxmem.optimize(fn, config=jaxmem.Config(...))``.
 
     This is the one place that knows the optimize API (issue 3): a budget in
@@ -220,7 +221,8 @@ def _optimize(name: str, zoo: Any, budget_bytes: int, target: targets.Target) ->
             f"planner {name!r} is registered, but this jaxmem has no "
             f"{' or '.join('jaxmem.' + m for m in missing)} to trace, plan and emit a step with "
             f"it yet; nothing was compiled")
-    config = jaxmem.Config(budget=budget_bytes, target=target.name, planner=name)
+    config = jaxmem.Config(budget=budget_bytes, target=target.name, planner=name,
+                           time_limit_s=time_limit_s)
     return jaxmem.optimize(zoo.fn, config=config, donate_argnums=zoo.donate_argnums)
 
 

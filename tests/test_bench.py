@@ -48,6 +48,7 @@ class FakeStep:
     policy: str
     scan: bool
     step: str
+    arg_roles: tuple[str, ...] = ()
 
 
 def fake_build(name: str, size: str = "tiny", *, step: str = "grad", policy: str = "none",
@@ -170,7 +171,8 @@ def test_planner_dispatch_goes_through_optimize(tmp_path, fake_planner, monkeypa
     ok = records[fake_planner, "64MiB"]
     assert ok["status"] == "ok" and ok["predicted_peak_bytes"] == 12345
     assert ok["solve_time_s"] == 0.25 and ok["grads_match"] is True
-    assert {"budget": 64 << 20, "target": "cpu", "planner": fake_planner} in configs
+    assert {"budget": 64 << 20, "target": "cpu", "planner": fake_planner,
+            "time_limit_s": 20.0} in configs
 
 
 def test_failed_reference_leaves_fraction_budgets_unresolved(tmp_path):
