@@ -10,7 +10,9 @@ True
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from jaxmem import targets as _targets
@@ -84,6 +86,10 @@ class Config:
       on_over_budget: ``"raise"`` an ``InfeasibleBudgetError`` when no plan
         compiles within budget, or ``"warn"`` and run the best plan found.
       verify_rounds: plan-compile-check rounds before giving up.
+      plan_cache: where verified plans are kept on disk, so a second process
+        running the same step does no solving: ``None`` / ``False`` off (the
+        default), ``True`` the default folder ``~/.cache/jaxmem/plans``, or a
+        folder path.
     """
 
     budget: int | str | float | None = None
@@ -98,6 +104,7 @@ class Config:
     seed: int = 0
     on_over_budget: OnOverBudget = "raise"
     verify_rounds: int = 4
+    plan_cache: "str | os.PathLike[str] | bool | None" = None
 
     def __post_init__(self) -> None:
         if self.target not in TARGET_CHOICES:
@@ -120,6 +127,10 @@ class Config:
                              f"are {', '.join(ON_OVER_BUDGET)}")
         if not isinstance(self.verify_rounds, int) or self.verify_rounds < 1:
             raise ValueError(f"Config(verify_rounds={self.verify_rounds!r}) must be an int >= 1")
+        if not (self.plan_cache is None or isinstance(self.plan_cache, (bool, str, os.PathLike))) \
+                or self.plan_cache == "":
+            raise ValueError(f"Config(plan_cache={self.plan_cache!r}): use None or False (off), "
+                             f"True (the default folder ~/.cache/jaxmem/plans) or a folder path")
         _check_planner(self.planner)
 
     def resolve_target(self, args: Any = ()) -> _targets.Target:
@@ -134,6 +145,16 @@ class Config:
         if self.budget is None:
             return t.default_budget_bytes
         return parse_bytes(self.budget, "budget", memory_bytes=t.memory_bytes)
+
+    def plan_cache_dir(self) -> "Path | None":
+        """The plan-cache folder, or ``None`` when the cache is off."""
+        from jaxmem.cache import DEFAULT_DIR
+
+        if self.plan_cache is None or self.plan_cache is False:
+            return None
+        if self.plan_cache is True:
+            return DEFAULT_DIR
+        return Path(os.path.expanduser(os.fspath(self.plan_cache)))
 
     @property
     def host_budget_bytes(self) -> int:

@@ -18,6 +18,13 @@ when nothing fits, :class:`~jaxmem.errors.InfeasibleBudgetError` names the
 budget, the best compiled footprint and the smallest budget that would fit.
 Steps using constructs jaxmem refuses run unplanned (plain ``jax.jit``) with
 a warning naming the construct and its source line.
+
+``JAXMEM_LEVEL`` (read by :mod:`jaxmem.level` at each call) overrides the
+config's ``allow_*`` fields; the level is part of the signature key, so
+changing it re-plans. At level 0 the step runs as plain ``jax.jit`` with no
+tracing or planning, and ``.plan()`` raises ``RuntimeError`` (there is no plan).
+With ``Config(plan_cache=...)`` verified plans are stored on disk
+(:mod:`jaxmem.cache`) and a later process loads them instead of solving.
 """
 
 from __future__ import annotations
@@ -30,8 +37,10 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from jaxmem import cache as cache_lib
 from jaxmem import emit as emit_lib
 from jaxmem import graph as graph_lib
+from jaxmem import level as level_lib
 from jaxmem import plan as plan_lib
 from jaxmem import targets as targets_lib
 from jaxmem import trace as trace_lib
@@ -46,6 +55,10 @@ _UNHASHABLE = (
     "static argument {where} of {name} is a {kind}, which is not hashable; jaxmem caches one "
     "plan per static value as jax.jit does. Pass a hashable value (a tuple instead of a list), "
     "or make the argument dynamic.")
+
+_LEVEL0_NO_PLAN = (
+    "{name}: JAXMEM_LEVEL=0 turns jaxmem off, so the step runs as plain jax.jit and has no plan. "
+    "Unset JAXMEM_LEVEL or set it to 1-4 to plan the step.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +80,16 @@ class CacheInfo:
       plans: planner calls.
       compiles: compiles for the target in the verify loop.
       fallbacks: signatures run unplanned (unsupported constructs).
+      disk_hits / disk_misses: plans loaded from / not found in the on-disk
+        plan cache (``Config(plan_cache=...)``).
     """
 
     entries: int
     plans: int
     compiles: int
     fallbacks: int
+    disk_hits: int = 0
+    disk_misses: int = 0
 
 
 @dataclasses.dataclass
@@ -184,6 +201,45 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
                                 detail=f"planner {config.planner!r} on {target.name}: {tried}")
 
 
+### Level and plan cache
+
+
+def effective_config(config: Config, level: int | None) -> Config:
+    """``config`` with its ``allow_*`` fields overridden by a ``JAXMEM_LEVEL`` level."""
+    if level is None:
+        return config
+    level_lib.warn_if_level4_unavailable(level)
+    allowed = level_lib.allowances(level)
+    return dataclasses.replace(config, **{k: v for k, v in allowed.items() if k != "enabled"})
+
+
+def plan_key(graph: Any, config: Config, target: targets_lib.Target) -> str:
+    """The plan-cache fingerprint of a traced step under a config on a target."""
+    program = graph.program
+    avals = ", ".join(str(v.aval) for v in program.jaxpr.jaxpr.invars)
+    program_text = (f"{program.jaxpr}\navals: {avals}\nshardings: {program.in_shardings}\n"
+                    f"donated: {program.donated}\nroles: {program.in_roles}")
+    options = sorted(config.planner_options().items())
+    return cache_lib.fingerprint(program_text, config.planner, config.budget_bytes(target), options,
+                                 config.verify_rounds, config.on_over_budget, target.name)
+
+
+def _cached_plan(disk: cache_lib.PlanCache, key: str, graph: Any) -> plan_lib.Plan | None:
+    """The plan stored under ``key`` when it fits ``graph``; ``None`` (with a warning) if not."""
+    plan = disk.load(key)
+    if plan is None:
+        return None
+    try:
+        plan_lib.check_plan(plan_lib.view(graph), plan)
+    except ValueError as err:
+        logger.warning("plan cache: entry %s does not fit the traced step (%s); planning again",
+                       disk.path(key), err)
+        disk.hits -= 1
+        disk.misses += 1
+        return None
+    return plan
+
+
 ### The decorator
 
 
@@ -244,6 +300,7 @@ class Optimized:
         self._entries: dict[Any, _Entry] = {}
         self._plans: dict[Any, plan_lib.Plan] = {}
         self._counters: dict[str, int] = {"plans": 0, "compiles": 0, "fallbacks": 0}
+        self._disk: dict[Any, cache_lib.PlanCache] = {}
 
     def __repr__(self) -> str:
         return f"<jaxmem.optimize({getattr(self.fun, '__qualname__', self.fun)}, {self.config})>"
@@ -266,6 +323,7 @@ class Optimized:
             method = Optimized(call, self.config, (0, *self.static_argnums), self.static_argnames,
                                self.donate_argnums, self.donate_argnames)
             method._counters = self._counters
+            method._disk = self._disk
             self.__dict__["_method"] = method
         return method
 
@@ -276,20 +334,34 @@ class Optimized:
         return self._entry(key, dyn, rebuild).run(*dyn)
 
     def plan(self, *args: Any, **kwargs: Any) -> plan_lib.Plan:
-        """The plan for these arguments (traced and planned, not compiled or verified)."""
+        """The plan for these arguments (traced and planned, not compiled or verified).
+
+        A verified plan (from a call, or from the on-disk plan cache) is returned
+        when there is one.
+
+        Raises:
+          RuntimeError: ``JAXMEM_LEVEL=0``: the step runs as plain ``jax.jit``
+            and has no plan.
+        """
         key, dyn, rebuild = self._split(args, kwargs)
+        level, config = key[0], effective_config(self.config, key[0])
+        if level == 0:
+            raise RuntimeError(_LEVEL0_NO_PLAN.format(name=rebuild.__name__))
         if key in self._entries and self._entries[key].plan is not None:
             return self._entries[key].plan  # type: ignore[return-value]
         if key not in self._plans:
             from jaxmem import planners
             from jaxmem.costmodel import CostModel
 
-            target = self.config.resolve_target(dyn)
+            target = config.resolve_target(dyn)
             graph = self._graph(dyn, rebuild, target)
-            plan = planners.get(self.config.planner).fn(
-                graph, self.config.budget_bytes(target), CostModel.for_target(target),
-                self.config.planner_options())
-            self._counters["plans"] += 1
+            disk = self._disk_cache(config)
+            plan = _cached_plan(disk, plan_key(graph, config, target), graph) if disk else None
+            if plan is None:
+                plan = planners.get(config.planner).fn(
+                    graph, config.budget_bytes(target), CostModel.for_target(target),
+                    config.planner_options())
+                self._counters["plans"] += 1
             self._plans[key] = plan
         return self._plans[key]
 
@@ -311,7 +383,9 @@ class Optimized:
         """Signatures planned so far, planner calls, verify compiles and fallbacks."""
         return CacheInfo(entries=len(self._entries), plans=self._counters["plans"],
                          compiles=self._counters["compiles"],
-                         fallbacks=self._counters["fallbacks"])
+                         fallbacks=self._counters["fallbacks"],
+                         disk_hits=sum(d.hits for d in self._disk.values()),
+                         disk_misses=sum(d.misses for d in self._disk.values()))
 
     def rounds(self, *args: Any, **kwargs: Any) -> tuple[Round, ...]:
         """The verify rounds of these arguments' signature (plans, compiled bytes)."""
@@ -339,7 +413,9 @@ class Optimized:
             static_values.append((where, value))
         dyn = tuple(args[i] for i in dyn_pos) + tuple(kwargs[k] for k in kw_dyn)
         leaves, tree = jax.tree_util.tree_flatten(dyn)
-        key = (n, tuple(static_values), tuple(kw_dyn), tree, tuple(map(_leaf_key, leaves)))
+        # The level is part of the key so that changing JAXMEM_LEVEL re-plans.
+        key = (level_lib.read(), n, tuple(static_values), tuple(kw_dyn), tree,
+               tuple(map(_leaf_key, leaves)))
         fun = self.fun
         fixed_args = {i: args[i] for i in static}
         fixed_kwargs = {k: kwargs[k] for k in kw_static}
@@ -361,16 +437,30 @@ class Optimized:
         program = trace_lib.trace(rebuild, *dyn, donate_argnums=rebuild.donated)
         return graph_lib.analyse(program, target.name)
 
+    def _disk_cache(self, config: Config) -> cache_lib.PlanCache | None:
+        directory = config.plan_cache_dir()
+        if directory is None:
+            return None
+        if directory not in self._disk:
+            self._disk[directory] = cache_lib.PlanCache(directory)
+        return self._disk[directory]
+
     def _entry(self, key: Any, dyn: tuple[Any, ...], rebuild: Any) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._build(dyn, rebuild)
+            entry = self._build(dyn, rebuild, key[0])
             self._entries[key] = entry
         return entry
 
-    def _build(self, dyn: tuple[Any, ...], rebuild: Any) -> _Entry:
-        target = self.config.resolve_target(dyn)
+    def _build(self, dyn: tuple[Any, ...], rebuild: Any, level: int | None = None) -> _Entry:
+        config = effective_config(self.config, level)
+        target = config.resolve_target(dyn)
         donated = rebuild.donated
+        if level == 0:
+            logger.info("jaxmem.optimize(%s): JAXMEM_LEVEL=0, running as plain jax.jit",
+                        rebuild.__name__)
+            jitted = jax.jit(rebuild, donate_argnums=donated)
+            return _Entry(target=target, plan=None, run=jitted, jitted=jitted, fallback="level 0")
         try:
             graph = self._graph(dyn, rebuild, target)
         except trace_lib.UnsupportedConstructError as err:
@@ -380,8 +470,21 @@ class Optimized:
             jitted = jax.jit(rebuild, donate_argnums=donated)
             return _Entry(target=target, plan=None, run=jitted, jitted=jitted, fallback=str(err))
         abstract = _abstract(dyn, target)
-        plan, jitted, compiled, rounds = verify(graph, self.config, target, abstract, donated,
-                                                self._counters)
+        disk = self._disk_cache(config)
+        key = plan_key(graph, config, target) if disk is not None else ""
+        cached = _cached_plan(disk, key, graph) if disk is not None else None
+        if cached is not None:
+            # Verified when it was stored: compile it once, run no planner.
+            jitted = jax.jit(emit_lib.emit(graph, cached), donate_argnums=donated)
+            compiled = jitted.lower(*abstract).compile(compiler_options=target.compiler_options)
+            self._counters["compiles"] += 1
+            dev, host = device_bytes(compiled)
+            plan, rounds = cached, (Round(cached.budget_bytes, cached, dev, host),)
+        else:
+            plan, jitted, compiled, rounds = verify(graph, config, target, abstract, donated,
+                                                    self._counters)
+            if disk is not None:
+                disk.store(key, plan)
         run = compiled if _runs_here(dyn, target) else jitted
         logger.info("jaxmem.optimize(%s): %s", rebuild.__name__, plan.summary().splitlines()[1])
         return _Entry(target=target, plan=plan, run=run, jitted=jitted, rounds=rounds, graph=graph)
