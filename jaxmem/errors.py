@@ -24,9 +24,9 @@ class InfeasibleBudgetError(ValueError):
       best_compiled_bytes: the smallest compiled device footprint any plan
         reached (temp + arguments + outputs - aliased), or ``None`` when
         nothing was compiled.
-      min_feasible_bytes: the smallest budget that would have been met: the
+      min_feasible_bytes: the smallest budget the planner is known to meet: the
         best compiled footprint when one was reached, else the planner's lower
-        bound; ``None`` when unknown.
+        bound; ``None`` when unknown. Another planner may reach lower.
       detail: what was tried, for the message.
     """
 
@@ -38,10 +38,12 @@ class InfeasibleBudgetError(ValueError):
         self.detail = detail
         message = (
             f"no plan fits the memory budget of {_mib(self.budget_bytes)}: the best plan compiled "
-            f"to {_mib(self.best_compiled_bytes)} of device memory; the smallest budget that would "
-            f"fit is {_mib(self.min_feasible_bytes)}. Raise the budget (Config(budget=...)), allow "
-            f"more remat/offload (allow_remat / allow_offload / allow_state_offload), make the batch "
-            f"smaller, or pass Config(on_over_budget='warn') to run the best plan anyway.")
+            f"to {_mib(self.best_compiled_bytes)} of device memory; the smallest budget this "
+            f"planner is known to fit is {_mib(self.min_feasible_bytes)} (another planner, e.g. "
+            f"'cpsat' or 'sublinear', may reach lower). Raise the budget (Config(budget=...)), try "
+            f"another planner (Config(planner=...)), allow more remat/offload (allow_remat / "
+            f"allow_offload / allow_state_offload), make the batch smaller, or pass "
+            f"Config(on_over_budget='warn') to run the best plan anyway.")
         if detail:
             message += f" Tried: {detail}"
         super().__init__(message)

@@ -15,7 +15,7 @@ device bytes (temp + arguments + outputs - aliased) are checked against the
 budget. Over budget, the planner's budget is tightened by the observed
 prediction error and the step re-planned, for a bounded number of rounds;
 when nothing fits, :class:`~jaxmem.errors.InfeasibleBudgetError` names the
-budget, the best compiled footprint and the smallest budget that would fit.
+budget, the best compiled footprint and the smallest budget the planner is known to fit.
 Steps using constructs jaxmem refuses run unplanned (plain ``jax.jit``) with
 a warning naming the construct and its source line.
 
