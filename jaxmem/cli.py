@@ -86,7 +86,7 @@ def _config(ns: argparse.Namespace, planner: str | None = None) -> Any:
             pass  # a size string such as "60GiB"
     try:
         return Config(budget=budget, target=ns.target, planner=planner or ns.planner,
-                      time_limit_s=ns.time_limit)
+                      time_limit_s=ns.time_limit, on_over_budget=ns.on_over_budget)
     except ValueError as err:
         raise UsageError(str(err)) from None
 
@@ -230,6 +230,9 @@ def parser() -> argparse.ArgumentParser:
                        help="bytes, a size ('60GiB') or a fraction of the target's memory (0.5)")
         q.add_argument("--target", default="h100", choices=("h100", "h200", "cpu", "auto"))
         q.add_argument("--time-limit", type=float, default=60.0, help="planner seconds per round")
+        q.add_argument("--on-over-budget", choices=("raise", "warn"), default="raise",
+                       help="when no plan fits: exit 3 (raise, the default) or report the best "
+                            "plan found with status over_budget (warn)")
         q.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     plan = sub.add_parser("plan", help="plan a step and print the plan")
