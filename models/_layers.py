@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
@@ -38,6 +38,11 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean softmax cross-entropy over all positions, computed in float32."""
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
     return jnp.mean(losses)
+
+
+def next_token_loss(logits: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
+    """Cross-entropy of a language model's logits against ``batch["targets"]``."""
+    return cross_entropy(logits, batch["targets"])
 
 
 def mean_squared_error(pred: jax.Array, target: jax.Array) -> jax.Array:

@@ -22,9 +22,9 @@ import flax.linen as nn
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem.models._layers import (causal_attention, cross_entropy, repeat_block, token_batch,
+from jaxmem.models._layers import (causal_attention, next_token_loss, repeat_block, token_batch,
                                    token_batch_spec)
-from jaxmem.models._spec import Batch, ModelSpec
+from jaxmem.models._spec import ModelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +93,6 @@ class GPT2(nn.Module):
         return wte.attend(x)
 
 
-def _loss(logits: jax.Array, batch: Batch) -> jax.Array:
-    return cross_entropy(logits, batch["targets"])
-
-
 SPEC = ModelSpec(
     name="gpt2",
     configs=CONFIGS,
@@ -104,7 +100,7 @@ SPEC = ModelSpec(
     batch_spec=lambda c: token_batch_spec(c.batch, c.seq),
     make_batch=lambda c, key: token_batch(key, c.batch, c.seq, c.vocab),
     inputs=lambda b: (b["inputs"],),
-    loss=_loss,
+    loss=next_token_loss,
     has_scan=True,
     learning_rate=3e-4,
     doc="GPT-2 small, next-token cross-entropy",

@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem.models._layers import (causal_attention, cross_entropy, repeat_block, token_batch,
+from jaxmem.models._layers import (causal_attention, next_token_loss, repeat_block, token_batch,
                                    token_batch_spec)
-from jaxmem.models._spec import Batch, ModelSpec
+from jaxmem.models._spec import ModelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,10 +129,6 @@ class Llama(nn.Module):
         return embed.attend(x)
 
 
-def _loss(logits: jax.Array, batch: Batch) -> jax.Array:
-    return cross_entropy(logits, batch["targets"])
-
-
 SPEC = ModelSpec(
     name="llama",
     configs=CONFIGS,
@@ -140,7 +136,7 @@ SPEC = ModelSpec(
     batch_spec=lambda c: token_batch_spec(c.batch, c.seq),
     make_batch=lambda c, key: token_batch(key, c.batch, c.seq, c.vocab),
     inputs=lambda b: (b["inputs"],),
-    loss=_loss,
+    loss=next_token_loss,
     has_scan=True,
     learning_rate=3e-4,
     doc="Llama-3.2-1B shapes (GQA, RoPE, SwiGLU, bf16), next-token cross-entropy",
