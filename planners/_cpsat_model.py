@@ -460,8 +460,11 @@ def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
           extra_params: Mapping[str, Any] | None = None) -> SolveResult:
     """Build and solve the model; the best schedule found within the limits.
 
-    With ``deterministic``, the workers interleave in fixed batches and the
-    solve also stops after ``_DET_SHARE * time_limit_s`` of CP-SAT's
+    With ``deterministic``, the search runs on one worker (OR-Tools 9.15's
+    deterministic multi-worker mode, ``interleave_search``, aborts the whole
+    process with "Check failed: heuristics.fixed_search != nullptr" on some of
+    our models, e.g. the zoo's tiny mlp train step at half its peak; a
+    single-worker search is deterministic by itself) and the solve also stops after ``_DET_SHARE * time_limit_s`` of CP-SAT's
     deterministic time (work units independent of machine load; about a
     second each on an idle core): the same problem and seed give the same
     schedule whenever the solve ends by itself or by that limit. When the wall
@@ -474,12 +477,11 @@ def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
         model.hint(*hint)
     solver = cp_model.CpSolver()
     prm = solver.parameters
-    prm.num_workers = max(1, int(num_workers))
+    prm.num_workers = 1 if deterministic else max(1, int(num_workers))
     prm.random_seed = int(seed)
     prm.log_search_progress = log
     prm.max_time_in_seconds = float(time_limit_s)
     if deterministic:
-        prm.interleave_search = True
         prm.max_deterministic_time = _DET_SHARE * float(time_limit_s)
     if len(problem.nodes) > _LIGHT_PRESOLVE_NODES:
         # full presolve (probing to a fixed point) costs seconds per round on big models

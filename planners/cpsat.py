@@ -39,10 +39,12 @@ How it runs, within ``time_limit_s``:
 Options (all optional): ``time_limit_s`` (30), ``num_workers`` (2), ``seed``
 (0), ``allow_remat`` / ``allow_offload`` / ``allow_reorder`` (True),
 ``max_copies`` (2), ``max_nodes`` (60), ``reserve_bytes`` (0),
-``host_budget_bytes`` (64 GiB), ``deterministic`` (True: CP-SAT's workers
-interleave and each solve also stops at a deterministic-time limit, so the same
-inputs and seed give the same plan unless the wall clock stops a solve first,
-which the notes then say),
+``host_budget_bytes`` (64 GiB), ``deterministic`` (True: CP-SAT searches on
+one worker — its deterministic multi-worker mode crashes the process on some of
+our models with OR-Tools 9.15 — and each solve also stops at a deterministic-time
+limit, so the same inputs and seed give the same plan unless the wall clock stops
+a solve first, which the notes then say; False: ``num_workers`` workers, not
+repeatable),
 ``tie_blocks`` (False: equal decisions for items at the same place of repeated
 layers), ``min_decision_bytes`` (buffers smaller than this are always kept;
 default ``budget / 2000``: fewer variables, little memory left on the table),

@@ -481,3 +481,28 @@ def test_repair_reaches_the_capacity_when_splits_suffice():
     bigger = dataclasses.replace(p, capacity=10 ** 6)
     s, ev = repair(bigger, Schedule(order=tuple(range(len(p.nodes)))))
     assert ev.valid and ev.peak <= bigger.capacity and not s.recompute
+
+
+def test_cpsat_does_not_abort_the_process_on_the_tiny_mlp_train_step():
+    """OR-Tools 9.15's interleaved multi-worker search aborted the process here
+    ("Check failed: heuristics.fixed_search != nullptr"); run in a subprocess so
+    an abort fails this test instead of killing the test run."""
+    import subprocess
+    import sys
+
+    script = (
+        "import jaxmem.models as zoo, jaxmem.planners as reg\n"
+        "from jaxmem.graph import build_graph\n"
+        "from jaxmem.costmodel import CostModel\n"
+        "from jaxmem import plan as P\n"
+        "zs = zoo.build('mlp', 'tiny', step='train')\n"
+        "g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,"
+        " arg_roles=zs.arg_roles, target='cpu')\n"
+        "base = P.simulate_plan(g, P.unplanned(g)).peak_bytes\n"
+        "p = reg.get('cpsat').fn(g, base // 2, CostModel.for_target('cpu'),"
+        " {'time_limit_s': 10})\n"
+        "print('STATUS', p.status)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "STATUS" in done.stdout
