@@ -151,15 +151,22 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
     rounds: list[Round] = []
     built: list[tuple[Any, jax.stages.Compiled]] = []
     seen: set[str] = set()
+    overshoot = 0
     for _ in range(config.verify_rounds):
         plan = planner(graph, internal, cost_model, options)
         counters["plans"] = counters.get("plans", 0) + 1
         decisions = plan.replace(budget_bytes=0, predicted_peak_bytes=0, predicted_time_s=None,
                                  status="ok", solve_time_s=0.0, notes=()).to_json()
         if decisions in seen:
-            logger.info("planner %s returned the same plan at budget %.1f MiB; stopping",
-                        config.planner, internal / _MiB)
-            break
+            # Same decisions at a tighter budget: the planner's own estimate still says they fit.
+            # Tighten again by the last overshoot (at least 1% of the budget) instead of giving up.
+            step_down = max(overshoot, budget // 100)
+            logger.info("planner %s returned the same plan at budget %.1f MiB; tightening by "
+                        "%.1f MiB", config.planner, internal / _MiB, step_down / _MiB)
+            internal -= step_down
+            if internal <= 0:
+                break
+            continue
         seen.add(decisions)
         jitted = jax.jit(emit_lib.emit(graph, plan), donate_argnums=donate_argnums)
         compiled = jitted.lower(*abstract_args).compile(compiler_options=target.compiler_options)
@@ -173,6 +180,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
                     target.name, budget / _MiB)
         if dev <= budget:
             break
+        overshoot = dev - budget
         error = dev - plan.predicted_peak_bytes
         tighter = budget - error if error > 0 else internal - (dev - budget)
         if tighter >= internal:
