@@ -13,7 +13,7 @@ import functools
 import json
 import logging
 import re
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -301,9 +301,10 @@ def _parse_shape(text: str, pos: int) -> tuple[Shape, int]:
     return Shape(array.group(1), dims, space), pos
 
 
-def _closing(text: str, open_pos: int) -> int:
-    """Index of the bracket closing the one at ``open_pos`` (quotes respected)."""
-    depth, pos, quoted = 0, open_pos, False
+def _outside_quotes(text: str, start: int = 0) -> Iterator[tuple[int, str, int]]:
+    """``(position, char, depth)`` for each character of ``text`` from ``start`` that is
+    not inside a quoted string; ``depth`` counts the brackets open after ``char``."""
+    depth, pos, quoted = 0, start, False
     while pos < len(text):
         char = text[pos]
         if quoted:
@@ -313,36 +314,30 @@ def _closing(text: str, open_pos: int) -> int:
                 quoted = False
         elif char == '"':
             quoted = True
-        elif char in "({[":
-            depth += 1
-        elif char in ")}]":
-            depth -= 1
-            if depth == 0:
-                return pos
+        else:
+            if char in "({[":
+                depth += 1
+            elif char in ")}]":
+                depth -= 1
+            yield pos, char, depth
         pos += 1
+
+
+def _closing(text: str, open_pos: int) -> int:
+    """Index of the bracket closing the one at ``open_pos`` (quotes respected)."""
+    for pos, char, depth in _outside_quotes(text, open_pos):
+        if char in ")}]" and depth == 0:
+            return pos
     raise HloParseError(f"unbalanced bracket opened at column {open_pos}")
 
 
 def _split_top(text: str) -> list[str]:
     """Split at commas outside brackets and quotes."""
-    parts, depth, start, pos, quoted = [], 0, 0, 0, False
-    while pos < len(text):
-        char = text[pos]
-        if quoted:
-            if char == "\\":
-                pos += 1
-            elif char == '"':
-                quoted = False
-        elif char == '"':
-            quoted = True
-        elif char in "({[":
-            depth += 1
-        elif char in ")}]":
-            depth -= 1
-        elif char == "," and depth == 0:
+    parts, start = [], 0
+    for pos, char, depth in _outside_quotes(text):
+        if char == "," and depth == 0:
             parts.append(text[start:pos])
             start = pos + 1
-        pos += 1
     parts.append(text[start:])
     return [p.strip() for p in parts if p.strip()]
 

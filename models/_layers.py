@@ -45,6 +45,11 @@ def next_token_loss(logits: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Ar
     return cross_entropy(logits, batch["targets"])
 
 
+def label_loss(logits: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
+    """Cross-entropy of a classifier's logits against ``batch["labels"]``."""
+    return cross_entropy(logits, batch["labels"])
+
+
 def mean_squared_error(pred: jax.Array, target: jax.Array) -> jax.Array:
     """Mean squared error over all elements, computed in float32."""
     diff = pred.astype(jnp.float32) - target.astype(jnp.float32)

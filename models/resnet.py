@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem.models._layers import cross_entropy, image_batch, image_batch_spec
-from jaxmem.models._spec import Batch, ModelSpec
+from jaxmem.models._layers import image_batch, image_batch_spec, label_loss
+from jaxmem.models._spec import ModelSpec
 from jaxmem.models.policies import remat_block
 
 
@@ -95,10 +95,6 @@ def _module(c: ResNetConfig, policy: str, scan: bool) -> ResNet:
     return ResNet(c, policy)
 
 
-def _loss(logits: jax.Array, batch: Batch) -> jax.Array:
-    return cross_entropy(logits, batch["labels"])
-
-
 SPEC = ModelSpec(
     name="resnet50",
     configs=CONFIGS,
@@ -106,7 +102,7 @@ SPEC = ModelSpec(
     batch_spec=lambda c: image_batch_spec(c.batch, c.image),
     make_batch=lambda c, key: image_batch(key, c.batch, c.image, c.classes),
     inputs=lambda b: (b["images"],),
-    loss=_loss,
+    loss=label_loss,
     mutable=("batch_stats",),
     learning_rate=1e-3,
     doc="ResNet-50 with BatchNorm state, softmax cross-entropy",

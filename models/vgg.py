@@ -18,8 +18,8 @@ import flax.linen as nn
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem.models._layers import cross_entropy, image_batch, image_batch_spec
-from jaxmem.models._spec import Batch, ModelSpec
+from jaxmem.models._layers import image_batch, image_batch_spec, label_loss
+from jaxmem.models._spec import ModelSpec
 from jaxmem.models.policies import remat_block
 
 
@@ -79,10 +79,6 @@ def _module(c: VGGConfig, policy: str, scan: bool) -> VGG:
     return VGG(c, policy)
 
 
-def _loss(logits: jax.Array, batch: Batch) -> jax.Array:
-    return cross_entropy(logits, batch["labels"])
-
-
 SPEC = ModelSpec(
     name="vgg16",
     configs=CONFIGS,
@@ -90,7 +86,7 @@ SPEC = ModelSpec(
     batch_spec=lambda c: image_batch_spec(c.batch, c.image),
     make_batch=lambda c, key: image_batch(key, c.batch, c.image, c.classes),
     inputs=lambda b: (b["images"],),
-    loss=_loss,
+    loss=label_loss,
     learning_rate=1e-4,
     doc="VGG-16 on 224x224 images, softmax cross-entropy",
 )
