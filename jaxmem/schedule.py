@@ -120,10 +120,17 @@ class Schedule:
         return self.tensor_of.get(version, version)
 
     def sizes(self) -> dict[int, int]:
-        """Device bytes per version (0 for unmaterialized values)."""
-        out = {}
-        for version in range(self.view.n_tensors):
-            out[version] = self.view.bytes[version] if version not in self.roots else 0
+        """Device bytes of the versions the graph does not size itself.
+
+        Pass it as ``sizes`` to :func:`jaxmem.simulate.simulate_steps`, which
+        starts from :func:`jaxmem.simulate.buffer_sizes`: originals keep the
+        graph's size (heap alignment and ``Tensor.extra_bytes``, the bytes XLA
+        keeps beside a buffer for as long as it lives), copies made by
+        re-issues and prefetches get their tensor's bytes and no companions
+        (a recomputed max-pool input makes and drops its companions in the
+        backward pass), and unmaterialized values get 0.
+        """
+        out = {version: 0 for version in self.roots}
         for version, t in self.tensor_of.items():
             out[version] = self.view.bytes[t] if version not in self.roots else 0
         return out
