@@ -10,18 +10,23 @@ a function taking no arguments that returns ``(step_fn, args)`` or
 ``(step_fn, args, donate_argnums)``; ``args`` may be arrays or
 ``jax.ShapeDtypeStruct`` s. Exit codes: 0 ok, 2 usage error, 3 infeasible budget.
 
+Long solves show their progress on stderr (the planners' INFO lines, e.g. each
+improving CP-SAT solution with its step time, proven bound and gap); ``-q``
+turns that off, ``-v`` shows every INFO line of jaxmem instead.
+
 Unlike the library, this module prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
 import logging
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -32,6 +37,46 @@ _MiB = float(1 << 20)
 _BAD_STEP = (
     "{spec!r} is neither a zoo model ({models}) nor MODULE:FUNCTION naming a function that "
     "returns (step_fn, args) or (step_fn, args, donate_argnums)")
+
+
+# The planners' INFO lines (the CP-SAT solver's improving solutions and bounds) are the
+# command line's progress display; this logger is their common parent.
+PROGRESS_LOGGER = "jaxmem.planners"
+
+
+class _ProgressFormat(logging.Formatter):
+    """Progress lines as they are; anything louder with its level and origin."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.levelno == logging.INFO:
+            return f"jaxmem: {record.getMessage()}"
+        return f"{record.levelname} {record.name}: {record.getMessage()}"
+
+
+@contextlib.contextmanager
+def _progress_on_stderr(enabled: bool) -> Iterator[None]:
+    """While the command runs, show the planners' progress (INFO) lines on stderr.
+
+    The handler is removed and the logger restored afterwards, so that calling
+    :func:`main` in a process (tests, notebooks) leaves logging as it found it.
+    """
+    if not enabled:
+        yield
+        return
+    log = logging.getLogger(PROGRESS_LOGGER)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_ProgressFormat())
+    saved = (log.level, log.propagate)
+    # not propagated: the root handler would print each line a second time
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
 
 
 class UsageError(ValueError):
@@ -92,12 +137,10 @@ def _config(ns: argparse.Namespace, planner: str | None = None) -> Any:
 
 
 def _planned(step: Step, config: Any) -> Any:
-    """The verified entry (plan, graph, rounds) of ``step`` under ``config``."""
+    """What ``@jaxmem.optimize`` verified for ``step`` under ``config`` (plan, graph, rounds)."""
     from jaxmem.optimize import optimize
 
-    opt = optimize(step.fn, config=config, donate_argnums=step.donate_argnums)
-    key, dyn, rebuild = opt._split(step.args, {})
-    return opt._entry(key, dyn, rebuild)
+    return optimize(step.fn, config=config, donate_argnums=step.donate_argnums).verified(*step.args)
 
 
 def _traced_graph(step: Step, config: Any) -> Any:
@@ -207,22 +250,29 @@ def _cell(x: float | None) -> str:
 
 
 def _write_report(entry: Any, directory: str) -> None:
-    from jaxmem.report import write_report
-
-    paths = write_report(entry.graph, entry.plan, directory, entry.plan.budget_bytes)
-    for path in paths:
+    for path in entry.plan.report(directory):
         print(f"wrote {path}")
 
 
 ### Parser
 
 
+def _logging_flags(p: argparse.ArgumentParser, default: Any) -> None:
+    # On the main parser and on each command (``jaxmem plan mlp -q`` reads naturally); the
+    # commands' SUPPRESS default keeps them from resetting a flag given before the command.
+    p.add_argument("-v", "--verbose", action="store_true", default=default,
+                   help="log everything at INFO (the verify rounds, planner details)")
+    p.add_argument("-q", "--quiet", action="store_true", default=default,
+                   help="no solver progress lines on stderr")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxmem", description="Plan JAX train steps to fit memory.")
-    p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+    _logging_flags(p, False)
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(q: argparse.ArgumentParser) -> None:
+        _logging_flags(q, argparse.SUPPRESS)
         q.add_argument("step", help="a zoo model name or MODULE:FUNCTION")
         q.add_argument("--size", default="tiny", choices=("tiny", "bench"))
         q.add_argument("--step", dest="kind", default="train", choices=("train", "grad"))
@@ -255,14 +305,23 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 2 usage, 3 infeasible budget)."""
-    from jaxmem.errors import InfeasibleBudgetError
-
     try:
         ns = parser().parse_args(argv)
     except SystemExit as exit_:  # argparse has printed the usage
         return int(exit_.code) if isinstance(exit_.code, int) else EXIT_USAGE
+    if ns.verbose and ns.quiet:
+        print("jaxmem: -v/--verbose and -q/--quiet contradict each other; give one of them",
+              file=sys.stderr)
+        return EXIT_USAGE
     logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    with _progress_on_stderr(not (ns.verbose or ns.quiet)):
+        return _run(ns)
+
+
+def _run(ns: argparse.Namespace) -> int:
+    from jaxmem.errors import InfeasibleBudgetError
+
     try:
         from jaxmem import level
 

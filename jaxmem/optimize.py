@@ -103,6 +103,27 @@ class _Entry:
     fallback: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    """What the verify loop settled on for one signature of a step (see :meth:`Optimized.verified`).
+
+    Attributes:
+      target: where the step was compiled.
+      plan: the verified plan (it carries ``graph``), or ``None`` when the step
+        runs unplanned.
+      graph: the traced step's ``MemGraph`` (``None`` when it runs unplanned).
+      rounds: every plan-compile-check round (compiled device and host bytes).
+      fallback: why the step runs unplanned (``"level 0"`` or the unsupported
+        construct), else ``None``.
+    """
+
+    target: targets_lib.Target
+    plan: plan_lib.Plan | None
+    graph: Any
+    rounds: tuple[Round, ...]
+    fallback: str | None
+
+
 ### Verify loop
 
 
@@ -267,7 +288,8 @@ def optimize(fun: Callable[..., Any] | None = None, *, config: Config | None = N
       donate_argnums / donate_argnames: donated arguments, as for ``jax.jit``.
 
     Returns:
-      An :class:`Optimized` step: call it like the function; ``.plan(*args)``,
+      An :class:`Optimized` step: call it like the function; ``.plan(*args)``
+      (its ``.report(dir)`` draws the memory report), ``.verified(*args)``,
       ``.lower(*args)``, ``.measure(*args)``, ``.cache_info()``, ``__wrapped__``.
     """
     if fun is None:
@@ -370,7 +392,7 @@ class Optimized:
                     graph, config.budget_bytes(target), CostModel.for_target(target),
                     config.planner_options())
                 self._counters["plans"] += 1
-            self._plans[key] = plan
+            self._plans[key] = plan.replace(graph=graph)
         return self._plans[key]
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
@@ -399,6 +421,26 @@ class Optimized:
         """The verify rounds of these arguments' signature (plans, compiled bytes)."""
         key, dyn, rebuild = self._split(args, kwargs)
         return self._entry(key, dyn, rebuild).rounds
+
+    def verified(self, *args: Any, **kwargs: Any) -> Verified:
+        """Plan, emit and verify for these arguments (once per signature); what it settled on.
+
+        Unlike :meth:`plan`, this compiles: the plan is the verified one, and
+        the rounds hold the compiled bytes. A step that runs unplanned (level
+        0, or a construct jaxmem refuses) gives ``plan=None`` and the reason
+        in ``fallback`` instead of raising.
+
+        >>> import jax, jax.numpy as jnp, jaxmem
+        >>> step = jaxmem.optimize(lambda w, x: jax.grad(lambda w: jnp.tanh(x @ w).sum())(w),
+        ...                        config=jaxmem.Config(budget="1GiB", target="cpu"))
+        >>> v = step.verified(jnp.ones((8, 8)), jnp.ones((4, 8)))
+        >>> v.plan.status, v.plan.graph is v.graph, v.rounds[-1].compiled_bytes > 0
+        ('ok', True, True)
+        """
+        key, dyn, rebuild = self._split(args, kwargs)
+        entry = self._entry(key, dyn, rebuild)
+        return Verified(target=entry.target, plan=entry.plan, graph=entry.graph,
+                        rounds=entry.rounds, fallback=entry.fallback)
 
     # ### Internals
 
@@ -493,6 +535,7 @@ class Optimized:
                                                     self._counters)
             if disk is not None:
                 disk.store(key, plan)
+        plan = plan.replace(graph=graph)
         run = compiled if _runs_here(dyn, target) else jitted
         logger.info("jaxmem.optimize(%s): %s", rebuild.__name__, plan.summary().splitlines()[1])
         return _Entry(target=target, plan=plan, run=run, jitted=jitted, rounds=rounds, graph=graph)
@@ -520,6 +563,9 @@ class _Bound:
 
     def cache_info(self) -> CacheInfo:
         return self._method.cache_info()
+
+    def verified(self, *args: Any, **kwargs: Any) -> Verified:
+        return self._method.verified(self._instance, *args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

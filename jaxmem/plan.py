@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import types
+from pathlib import Path
 from typing import Any, Literal, Mapping
 
 Placement = Literal["device", "pinned_host"]
@@ -40,6 +42,15 @@ PLACEMENTS: tuple[str, ...] = ("device", "pinned_host")
 STATUSES: tuple[str, ...] = ("ok", "over_budget", "infeasible", "timeout", "fallback")
 
 _MiB = float(1 << 20)
+# Fields that are not decisions: kept out of JSON (and of equality).
+_NOT_IN_JSON = frozenset({"graph"})
+
+_NO_GRAPH = (
+    "Plan.report needs the MemGraph the {planner} plan was made for, and this plan carries none "
+    "(a plan read from JSON or returned by a planner called directly has none). Pass it: "
+    "plan.report(path, graph=jaxmem.graph.build_graph(step_fn, *args, target=..., "
+    "donate_argnums=...)) with the target and donation the plan was made for, or report the plan "
+    "of an @jaxmem.optimize step, step.plan(*args), which carries its graph.")
 
 
 def _frozen_map(m: Mapping[Any, Any] | None, value: Any) -> Mapping[Any, Any]:
@@ -81,6 +92,9 @@ class Plan:
       lower_bound: a proven lower bound on the peak (bytes), if the planner has one.
       gap: relative gap between ``predicted_peak_bytes`` and ``lower_bound``.
       notes: free-form lines the planner wants the user to see.
+      graph: the ``MemGraph`` the plan was made for, when known (a plan from
+        ``step.plan(*args)`` of ``@jaxmem.optimize`` carries it; one read from
+        JSON does not). Not part of equality, ``repr`` or JSON.
     """
 
     order: tuple[int, ...]
@@ -96,6 +110,7 @@ class Plan:
     lower_bound: float | None = None
     gap: float | None = None
     notes: tuple[str, ...] = ()
+    graph: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -144,7 +159,7 @@ class Plan:
           ValueError: for text that is not a plan, naming the missing or extra keys.
         """
         data = json.loads(text)
-        fields = {f.name for f in dataclasses.fields(cls)}
+        fields = {f.name for f in dataclasses.fields(cls)} - _NOT_IN_JSON
         if not isinstance(data, dict) or set(data) != fields:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"not a jaxmem plan: expected a JSON object with keys {sorted(fields)}, "
@@ -158,14 +173,52 @@ class Plan:
         """A copy with some fields changed (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
+    def report(self, path: "str | os.PathLike[str]", graph: Any = None,
+               budget_bytes: int | None = None) -> tuple[Path, Path]:
+        """Write the memory report (``report.png`` and ``report.html``) into directory ``path``.
+
+        The picture shows live device bytes over the schedule before and after
+        the plan, stacked by role, with the budget and the peaks marked, and the
+        pinned-host bytes below; the page adds every decision with its source
+        line (:func:`jaxmem.report.write_report`).
+
+        Args:
+          path: a directory (created if missing), as the CLI's ``--report DIR``.
+          graph: the plan's ``MemGraph``; default: the one the plan carries.
+          budget_bytes: the budget line; default: ``self.budget_bytes``.
+
+        Returns:
+          The paths of the PNG and the HTML page.
+
+        Raises:
+          ValueError: no graph was passed and the plan carries none (e.g. it was
+            read from JSON); the message says how to get one.
+
+        >>> import jax, jax.numpy as jnp, jaxmem, tempfile
+        >>> step = jaxmem.optimize(lambda w, x: jax.grad(lambda w: jnp.tanh(x @ w).sum())(w),
+        ...                        config=jaxmem.Config(budget="1GiB", target="cpu"))
+        >>> png, page = step.plan(jnp.ones((8, 8)), jnp.ones((4, 8))).report(tempfile.mkdtemp())
+        >>> png.name, page.name
+        ('report.png', 'report.html')
+        """
+        from jaxmem.report import write_report
+
+        graph = self.graph if graph is None else graph
+        if graph is None:
+            raise ValueError(_NO_GRAPH.format(planner=self.planner))
+        budget = self.budget_bytes if budget_bytes is None else int(budget_bytes)
+        return write_report(graph, self, path, budget)
+
     def summary(self, graph: Any = None, top: int = 8) -> str:
         """A few lines for a terminal: status, budget vs prediction, the decisions.
 
         Args:
-          graph: the plan's ``MemGraph``; with it, the largest remat / offloaded
-            tensors are listed with their sizes and source lines.
+          graph: the plan's ``MemGraph`` (default: the one the plan carries, if
+            any); with it, the largest remat / offloaded tensors are listed with
+            their sizes and source lines.
           top: how many tensors to list per kind.
         """
+        graph = self.graph if graph is None else graph
         lines = [f"Plan by {self.planner}: status {self.status}, solved in {self.solve_time_s:.3f} s"]
         share = (f" ({100.0 * self.predicted_peak_bytes / self.budget_bytes:.0f}% of budget)"
                  if self.budget_bytes > 0 else "")

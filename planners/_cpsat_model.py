@@ -39,6 +39,9 @@ Objective
 
 Big models (more than ``_LIGHT_PRESOLVE_NODES`` nodes) get one light presolve
 round: full probing costs seconds per round there and proves little.
+
+Progress: given :class:`~._cpsat_progress.Units`, :func:`solve` logs each
+improving solution and bound in user terms (:mod:`._cpsat_progress`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ from typing import Any, Mapping
 from ortools.sat.python import cp_model
 
 from jaxmem.planners._cpsat_problem import Evaluation, Problem, Schedule
+from jaxmem.planners._cpsat_progress import Progress, Units
+from jaxmem.planners._cpsat_progress import enabled as progress_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -457,7 +462,8 @@ class _Model:
 def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
           deterministic: bool = True, hint: tuple[Schedule, Evaluation] | None = None,
           tie_break_peak: bool = True, log: bool = False,
-          extra_params: Mapping[str, Any] | None = None) -> SolveResult:
+          extra_params: Mapping[str, Any] | None = None, units: Units | None = None,
+          label: str = "") -> SolveResult:
     """Build and solve the model; the best schedule found within the limits.
 
     With ``deterministic``, the search runs on one worker (OR-Tools 9.15's
@@ -470,6 +476,9 @@ def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
     schedule whenever the solve ends by itself or by that limit. When the wall
     clock (``time_limit_s``) stops it first, as on a loaded machine, the
     detail and a warning say that this solve may not repeat exactly.
+
+    With ``units`` (and the progress logger enabled for INFO), progress lines
+    (:mod:`._cpsat_progress`) name the solve by ``label``, e.g. ``"order fixed"``.
     """
     started = time.perf_counter()
     model = _Model(problem, tie_break_peak=tie_break_peak)
@@ -490,9 +499,16 @@ def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
         prm.cp_model_probing_level = 0
     for key, value in (extra_params or {}).items():
         setattr(prm, key, value)
-    code = solver.solve(model.m)
+    progress = (Progress(model, units, label or "solve", started)
+                if units is not None and progress_enabled() else None)
+    if progress is not None:
+        solver.best_bound_callback = progress.on_bound
+    code = solver.solve(model.m, progress)
     wall = time.perf_counter() - started
     status = _STATUS.get(code, str(code))
+    if progress is not None:
+        progress.finish(status, solver.best_objective_bound
+                        if code in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None)
     by_wall = code not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and \
         solver.deterministic_time < 0.99 * prm.max_deterministic_time
     if deterministic and by_wall:

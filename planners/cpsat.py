@@ -194,18 +194,21 @@ def _solve(c: Coarsening, hint: tuple[Schedule, Evaluation], opts: dict[str, Any
            notes: list[str], limit: float) -> _cpsat_model.SolveResult | None:
     """Fixed-order solve, then the joint solve (when reordering is allowed), in ``limit`` s."""
     p = c.problem
-    kw = dict(num_workers=int(opts["num_workers"]), seed=int(opts["seed"]),
-              deterministic=bool(opts["deterministic"]))
+    kw: dict[str, Any] = dict(num_workers=int(opts["num_workers"]), seed=int(opts["seed"]),
+                              deterministic=bool(opts["deterministic"]),
+                              units=_cpsat_model.Units(c.tick_s, c.unit_bytes, c.fixed_bytes))
     limit = max(limit, _MIN_SOLVE_S)
     fixed = dataclasses.replace(p, fixed_order=hint[0].order) if p.fixed_order is None else p
     share = _FIXED_SHARE if p.fixed_order is None else 1.0
-    first = _cpsat_model.solve(fixed, time_limit_s=share * limit, hint=hint, **kw)
+    first = _cpsat_model.solve(fixed, time_limit_s=share * limit, hint=hint, label="order fixed",
+                               **kw)
     notes.append(f"CP-SAT, order fixed: {first.detail}")
     if p.fixed_order is not None:
         return first if first.schedule is not None else _failed(first, notes)
     if first.schedule is not None:
         hint = (first.schedule, evaluate(p, first.schedule))
-    joint = _cpsat_model.solve(p, time_limit_s=(1 - share) * limit, hint=hint, **kw)
+    joint = _cpsat_model.solve(p, time_limit_s=(1 - share) * limit, hint=hint, label="order free",
+                               **kw)
     notes.append(f"CP-SAT, order free: {joint.detail}")
     if joint.schedule is None:
         if first.schedule is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -49,6 +50,7 @@ def test_infeasible_budget_exits_3(capsys):
     ["plan", "no_such_module_xyz:make"],
     ["compare", "mlp", "--planners", "greedy,nope"],
     ["compare", "mlp"],
+    ["-v", "plan", "mlp", "--quiet"],
 ])
 def test_usage_errors_exit_2(argv, capsys):
     assert main(argv) == 2
@@ -116,3 +118,18 @@ def test_report_writes_png_and_html(tmp_path, capsys):
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64," in page and "Decisions" in page
+
+
+CPSAT = ["plan", "mlp", "--planner", "cpsat", "--budget", "1MiB", "--time-limit", "10"]
+
+
+def test_cpsat_progress_on_stderr_unless_quiet(capsys):
+    assert main(CPSAT) == 0
+    err = capsys.readouterr().err
+    assert "jaxmem: cpsat order fixed: done in " in err and "jaxmem: cpsat order free: " in err
+    assert "step time " in err and " bound " in err
+    progress = logging.getLogger("jaxmem.planners")
+    assert not progress.handlers and progress.propagate  # left as it was found
+    assert main([*CPSAT, "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert "Plan by cpsat" in captured.out and "cpsat order" not in captured.err
