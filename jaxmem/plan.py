@@ -40,6 +40,7 @@ from typing import Any, Literal, Mapping
 Placement = Literal["device", "pinned_host"]
 PLACEMENTS: tuple[str, ...] = ("device", "pinned_host")
 STATUSES: tuple[str, ...] = ("ok", "over_budget", "infeasible", "timeout", "fallback")
+BOUND_UNITS: tuple[str, ...] = ("bytes", "s")
 
 _MiB = float(1 << 20)
 # Fields that are not decisions: kept out of JSON (and of equality).
@@ -89,8 +90,12 @@ class Plan:
       status: ``"ok"``, ``"over_budget"``, ``"infeasible"``, ``"timeout"`` or
         ``"fallback: <why>"``.
       solve_time_s: wall time the planner took.
-      lower_bound: a proven lower bound on the peak (bytes), if the planner has one.
-      gap: relative gap between ``predicted_peak_bytes`` and ``lower_bound``.
+      lower_bound: a proven lower bound on the planner's objective, if it has
+        one, in ``bound_unit``: the peak in bytes for planners that minimize
+        memory (``order_*``), the step time in seconds of the solver's own
+        model for ``cpsat``, which minimizes time under the budget.
+      gap: relative gap between the planner's objective value and ``lower_bound``.
+      bound_unit: ``"bytes"`` or ``"s"``, what ``lower_bound`` measures.
       notes: free-form lines the planner wants the user to see.
       graph: the ``MemGraph`` the plan was made for, when known (a plan from
         ``step.plan(*args)`` of ``@jaxmem.optimize`` carries it; one read from
@@ -110,6 +115,7 @@ class Plan:
     lower_bound: float | None = None
     gap: float | None = None
     notes: tuple[str, ...] = ()
+    bound_unit: str = "bytes"
     graph: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +127,8 @@ class Plan:
         set_("notes", tuple(str(n) for n in self.notes))
         set_("budget_bytes", int(self.budget_bytes))
         set_("predicted_peak_bytes", int(self.predicted_peak_bytes))
+        if self.bound_unit not in BOUND_UNITS:
+            raise ValueError(f"plan bound_unit {self.bound_unit!r} is not one of {BOUND_UNITS}")
         if self.status not in STATUSES and not self.status.startswith("fallback"):
             raise ValueError(f"plan status {self.status!r} is not one of {STATUSES} (or "
                              f"'fallback: <why>')")
@@ -144,7 +152,7 @@ class Plan:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_time_s": self.predicted_time_s, "status": self.status,
             "solve_time_s": self.solve_time_s, "lower_bound": self.lower_bound, "gap": self.gap,
-            "notes": list(self.notes),
+            "notes": list(self.notes), "bound_unit": self.bound_unit,
         }
 
     def to_json(self) -> str:
@@ -160,6 +168,8 @@ class Plan:
         """
         data = json.loads(text)
         fields = {f.name for f in dataclasses.fields(cls)} - _NOT_IN_JSON
+        if isinstance(data, dict):
+            data.setdefault("bound_unit", "bytes")  # plans written before the field existed
         if not isinstance(data, dict) or set(data) != fields:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"not a jaxmem plan: expected a JSON object with keys {sorted(fields)}, "
@@ -228,7 +238,9 @@ class Plan:
                      f"{self.predicted_peak_bytes / _MiB:,.1f} MiB{share}{time}")
         if self.lower_bound is not None:
             gap = "" if self.gap is None else f" (gap {100.0 * self.gap:.1f}%)"
-            lines.append(f"  lower bound {self.lower_bound / _MiB:,.1f} MiB{gap}")
+            bound = (f"{self.lower_bound / _MiB:,.1f} MiB" if self.bound_unit == "bytes"
+                     else f"{1e3 * self.lower_bound:.3f} ms of the solver's step time")
+            lines.append(f"  lower bound {bound}{gap}")
         moved = sum(1 for i, o in enumerate(self.order) if o != i)
         lines.append(f"  order: {len(self.order)} ops, " +
                      ("program order" if moved == 0 else f"{moved} ops moved from program order"))

@@ -95,13 +95,17 @@ def buffer_sizes(graph: MemGraph) -> dict[int, int]:
     """Bytes each tensor takes in the simulation: temporaries rounded up to the heap alignment.
 
     XLA places temporaries in one heap at aligned offsets; arguments and
-    outputs get allocations of their exact size.
+    outputs get allocations of their exact size, and so does a value an op may
+    write in place into an argument (it takes the argument's buffer).
     """
     align = alignment_bytes(graph.target)
     outs = {graph.buffer(t) for t in graph.outputs}
+    # a value an op may write in place into an argument takes the argument's exact buffer
+    into_args = {out for op in graph.ops for out, inp in op.inplace
+                 if graph.tensors[inp].producer is None}
     sizes = {}
     for t in graph.tensors:
-        if t.producer is None or t.id in outs or t.bytes == 0:
+        if t.producer is None or t.id in outs or t.id in into_args or t.bytes == 0:
             sizes[t.id] = t.bytes + t.extra_bytes
         else:
             sizes[t.id] = -(-t.bytes // align) * align + t.extra_bytes

@@ -327,7 +327,7 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
         planner=NAME, budget_bytes=budget_bytes, predicted_peak_bytes=best.peak_bytes,
         predicted_time_s=best.time_s, status=status,
         solve_time_s=time.perf_counter() - started, lower_bound=lower, gap=gap,
-        notes=tuple(notes))
+        bound_unit="s", notes=tuple(notes))
 
 
 register(NAME, plan_cpsat, "joint order, remat and offload by CP-SAT (OR-Tools), warm-started "

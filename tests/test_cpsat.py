@@ -379,7 +379,8 @@ def test_small_graph_plan_fits_is_proven_optimal_and_simulated():
     plan = plan_cpsat(g, budget, H100, {"time_limit_s": 20, "allow_offload": False})
     assert plan.status == "ok", plan.notes
     assert plan.predicted_peak_bytes == plan_lib.simulate_plan(g, plan).peak_bytes <= budget
-    assert plan.gap == 0.0 and plan.lower_bound is not None
+    assert plan.gap == 0.0 and plan.lower_bound is not None and plan.bound_unit == "s"
+    assert "ms of the solver's step time" in plan.summary()
     assert plan.remat   # the budget forces re-issues
     assert plan.predicted_time_s == estimate_time_s(g, plan, H100)
 
