@@ -9,6 +9,19 @@ default, compile-only), writes one JSON line per run to
 ``OUT/results.jsonl`` (fields of DESIGN.md §4), prints a table with memory
 in MiB and ratios to the unplanned step (``none``), and plots compiled peak
 against estimated step time in ``OUT/pareto.png``.
+
+Sweep mode (:mod:`bench.sweep`) replaces ``--budgets``::
+
+    python -m bench --models gpt2 --size bench --planners all --sweep --sweep-factor 0.8
+
+Each planner runs :func:`jaxmem.pareto`: budgets from the unplanned step's
+compiled peak down by ``--sweep-factor`` until the planner cannot fit one (or
+below ``--sweep-min`` of the peak), plus one point at the smallest budget the
+failure named; the peers compile once and get one record per budget tried.
+``OUT/frontier.png`` shows, per model, compiled peak against estimated step
+time: each planner a line through its sweep points, each peer a marker, the
+budgets as light vertical lines. Every step time is a roofline estimate for
+the target, not a measurement.
 """
 
 import os

@@ -19,7 +19,7 @@ def main(argv: Sequence[str] | None = None, *, builder: Callable[..., Any] | Non
     """
     opts = _options.parse(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from bench.output import pareto_plot, table
+    from bench.output import frontier_plot, pareto_plot, table
     from bench.runner import run
 
     try:
@@ -30,7 +30,10 @@ def main(argv: Sequence[str] | None = None, *, builder: Callable[..., Any] | Non
     print(table(records))
     print(f"results: {os.path.join(opts.out, 'results.jsonl')}")
     if opts.plot:
-        path = pareto_plot(records, os.path.join(opts.out, "pareto.png"))
+        if opts.sweep:
+            path = frontier_plot(records, os.path.join(opts.out, "frontier.png"))
+        else:
+            path = pareto_plot(records, os.path.join(opts.out, "pareto.png"))
         print(f"plot: {path}" if path else "plot: nothing compiled, no plot written")
     return 0
 

@@ -103,6 +103,9 @@ class Options:
     time_limit_s: float
     append: bool
     plot: bool
+    sweep: bool = False
+    sweep_factor: float = 0.8
+    sweep_min: float = 0.05
 
 
 def parser() -> argparse.ArgumentParser:
@@ -138,6 +141,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--append", action="store_true",
                    help="append to OUT/results.jsonl instead of replacing it")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip the Pareto plot")
+    p.add_argument("--sweep", action="store_true",
+                   help="instead of --budgets: sweep each planner's budget from the unplanned "
+                        "step's compiled peak down by --sweep-factor until the planner cannot fit "
+                        "it, plus one point at the smallest budget it named (jaxmem.pareto); "
+                        "peers run once; plots OUT/frontier.png")
+    p.add_argument("--sweep-factor", type=float, default=0.8,
+                   help="with --sweep, each budget is this factor of the one before, in (0, 1) "
+                        "(default: 0.8)")
+    p.add_argument("--sweep-min", type=float, default=0.05,
+                   help="with --sweep, the lowest budget tried as a fraction of the unplanned "
+                        "step's compiled peak, in [0, 1) (default: 0.05)")
     return p
 
 
@@ -151,7 +165,16 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         p.error(str(err))
     if ns.repeats < 1:
         p.error(f"--repeats must be at least 1; got {ns.repeats}")
+    if ns.sweep and ns.budgets:
+        p.error(f"--sweep chooses its own budgets; drop --budgets {ns.budgets!r} or --sweep")
+    if not 0.0 < ns.sweep_factor < 1.0:
+        p.error(f"--sweep-factor must lie strictly between 0 and 1 (e.g. 0.8); got "
+                f"{ns.sweep_factor}")
+    if not 0.0 <= ns.sweep_min < 1.0:
+        p.error(f"--sweep-min is a fraction of the unplanned peak in [0, 1) (e.g. 0.05); got "
+                f"{ns.sweep_min}")
     return Options(models=_names(ns.models), size=ns.size, planners=_names(ns.planners),
                    budgets=budgets, target=ns.target, out=ns.out, step=ns.step, scan=ns.scan,
                    cpu_time=ns.cpu_time, repeats=ns.repeats, time_limit_s=ns.time_limit_s,
-                   append=ns.append, plot=ns.plot)
+                   append=ns.append, plot=ns.plot, sweep=ns.sweep,
+                   sweep_factor=ns.sweep_factor, sweep_min=ns.sweep_min)

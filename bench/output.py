@@ -123,3 +123,65 @@ def _front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
         if not front or y < front[-1][1]:
             front.append((x, y))
     return front
+
+
+def frontier_plot(records: Sequence[dict[str, Any]], path: str) -> str | None:
+    """The ``--sweep`` plot: compiled device peak vs estimated step time, one panel per model.
+
+    Each planner is a line through its sweep points (by decreasing budget);
+    each peer is one marker; every budget of the sweep is a light vertical
+    line. Points without both figures (infeasible, errors) are left out.
+    Returns the path written, or ``None`` if no run compiled.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [r for r in records if r["compiled_peak_bytes"] is not None
+              and r["est_step_time_s"] is not None]
+    if not points:
+        return None
+    models = list(dict.fromkeys(r["model"] for r in points))
+    names = list(dict.fromkeys(r["planner"] for r in points))
+    markers = "os^vD<>pP*Xh8d"
+    colors = plt.get_cmap("tab20").colors
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in points if r["model"] == model]
+        mem_unit, mem_scale = _unit(max(r["compiled_peak_bytes"] for r in mine),
+                                    (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)))
+        time_unit, time_scale = _unit(max(r["est_step_time_s"] for r in mine),
+                                      (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)))
+        right = 1.15 * max(r["compiled_peak_bytes"] for r in mine) / mem_scale
+        budgets = {r["budget_bytes"] for r in records if r["model"] == model
+                   and r.get("kind") == "planner" and r["budget_bytes"]}
+        for b in sorted(budgets):
+            if b / mem_scale <= right:
+                ax.axvline(b / mem_scale, color="crimson", alpha=0.2, linewidth=1, zorder=0)
+        for name in dict.fromkeys(r["planner"] for r in mine):
+            i = names.index(name)
+            style = dict(marker=markers[i % len(markers)], color=colors[i % len(colors)],
+                         label=name)
+            own = [r for r in mine if r["planner"] == name]
+            if own[0].get("kind") == "planner":
+                own.sort(key=lambda r: -r["budget_bytes"])
+                ax.plot([r["compiled_peak_bytes"] / mem_scale for r in own],
+                        [r["est_step_time_s"] / time_scale for r in own], linewidth=1.2,
+                        markersize=5, zorder=3, **style)
+            else:  # a peer is one step whatever the budget
+                r = own[0]
+                ax.scatter(r["compiled_peak_bytes"] / mem_scale, r["est_step_time_s"] / time_scale,
+                           s=60, zorder=4, edgecolors="black", linewidths=0.5, **style)
+        first = mine[0]
+        ax.set_title(f"{model} ({first['size']}, {first['variant']}) on {first['target']}: "
+                     f"budget sweep", fontsize=10)
+        ax.set_xlabel(f"compiled device peak ({mem_unit}); light red lines: budgets")
+        ax.set_ylabel(f"estimated step time ({time_unit}, roofline)")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

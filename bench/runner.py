@@ -107,8 +107,9 @@ def _planner_names(wanted: list[str] | None) -> list[str]:
     return ["none"] + [n for n in dict.fromkeys(names) if n != "none"]
 
 
-def _bench_model(model: str, names: list[str], options: Options, target: targets.Target,
-                 builder: Builder) -> Iterator[dict[str, Any]]:
+def _reference(model: str, options: Options, target: targets.Target, builder: Builder
+               ) -> tuple[_Outcome, Any, tuple[Any, ...] | None]:
+    """The unplanned step ``none``: its outcome, the zoo step and the CPU arguments (if timed)."""
     _progress(f"{model}/{options.size}: reference 'none' on {target.name}")
     reference, zoo = _peer(model, "none", options, target, builder)
     cpu_args = None
@@ -123,6 +124,17 @@ def _bench_model(model: str, names: list[str], options: Options, target: targets
                 reference.cpu_error = _describe(err)
             else:
                 _cpu(reference, zoo.fn, cpu_args, options.repeats)
+    return reference, zoo, cpu_args
+
+
+def _bench_model(model: str, names: list[str], options: Options, target: targets.Target,
+                 builder: Builder) -> Iterator[dict[str, Any]]:
+    reference, zoo, cpu_args = _reference(model, options, target, builder)
+    if options.sweep:
+        from bench.sweep import sweep_model
+
+        yield from sweep_model(model, names, options, target, builder, reference, zoo, cpu_args)
+        return
     none_bytes = reference.report.device_bytes if reference.report else None
     budgets = [(b, b.resolve(none_bytes, target.default_budget_bytes)) for b in options.budgets]
     for name in names:

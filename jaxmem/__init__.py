@@ -10,6 +10,8 @@ Public surface (everything else is internal and may change):
     jaxmem.measure   compile a step for a target: memory, FLOPs, estimated time
     jaxmem.explain   the tensors alive at a step's predicted memory peak, in words
     jaxmem.predict_peak_bytes   a step's predicted device bytes on a target
+    jaxmem.pareto    plan a step at many budgets: compiled bytes vs estimated time per planner
+    jaxmem.frontier  the points of a sweep no other point beats on memory and time
 """
 
 from jaxmem import targets as targets
@@ -18,6 +20,9 @@ from jaxmem.errors import InfeasibleBudgetError as InfeasibleBudgetError
 from jaxmem.measure import Report as Report
 from jaxmem.measure import measure as measure
 from jaxmem.optimize import optimize as optimize
+from jaxmem.pareto import Point as Point
+from jaxmem.pareto import frontier as frontier
+from jaxmem.pareto import pareto as pareto
 from jaxmem.plan import Plan as Plan
 from jaxmem.explain import explain as explain
 from jaxmem.simulate import predict_peak_bytes as predict_peak_bytes

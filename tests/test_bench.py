@@ -217,3 +217,47 @@ def test_bad_budgets_say_what_is_allowed(text):
        st.sampled_from([("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30), ("MB", 10**6)]))
 def test_integer_budgets_with_units_are_exact(n, unit):
     assert parse_budget(f"{n}{unit[0]}").bytes == n * unit[1]
+
+
+def test_sweep_on_the_tiny_mlp_writes_records_and_the_frontier_plot(tmp_path, capsys):
+    argv = ["--models", "mlp", "--step", "grad", "--planners", "none,full,greedy", "--sweep",
+            "--sweep-factor", "0.7", "--cpu-time", "--repeats", "1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    records = _records(tmp_path)
+    for r in records:
+        assert REQUIRED | {"sweep", "monotone"} <= set(r), REQUIRED - set(r)
+    none = next(r for r in records if r["planner"] == "none")
+    unplanned = none["compiled_peak_bytes"]
+    greedy = [r for r in records if r["planner"] == "greedy"]
+    grid = [r for r in greedy if r["sweep"] == "grid"]
+    assert grid[0]["budget_bytes"] == unplanned and grid[0]["budget"] == "1.000"
+    assert [r["budget_bytes"] for r in grid[1:]] == [int(unplanned * 0.7 ** k)
+                                                     for k in range(1, len(grid))]
+    assert grid[-1]["status"] == "infeasible" and grid[-1]["min_feasible_bytes"] > 0
+    assert greedy[-1]["sweep"] == "smallest_feasible"
+    assert greedy[-1]["budget_bytes"] == grid[-1]["min_feasible_bytes"]
+    for r in greedy:
+        if r["status"] == "ok":
+            assert r["compiled_peak_bytes"] <= r["budget_bytes"] and r["est_step_time_s"] > 0
+            assert r["grads_match"] is True and r["monotone"] is True
+            assert r["elapsed_s"] > 0 and r["compile_time_s"] is None
+    budgets = {r["budget_bytes"] for r in greedy}
+    for peer in ("none", "full"):  # measured once, one record per budget of the sweep
+        mine = [r for r in records if r["planner"] == peer]
+        assert {r["budget_bytes"] for r in mine} == budgets
+        assert len({r["compiled_peak_bytes"] for r in mine}) == 1
+        assert all(r["sweep"] is None and r["monotone"] is None for r in mine)
+    assert (tmp_path / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "pareto.png").exists()
+    assert "frontier.png" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sweep", "--budgets", "0.5"], "--sweep chooses its own budgets"),
+    (["--sweep", "--sweep-factor", "1.2"], "--sweep-factor must lie strictly between 0 and 1"),
+    (["--sweep", "--sweep-min", "1"], "--sweep-min is a fraction"),
+])
+def test_bad_sweep_options_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(["--models", "fake", *argv])
+    assert message in capsys.readouterr().err

@@ -1,0 +1,386 @@
+"""Budget sweeps: compiled device memory against estimated step time, per planner.
+
+:func:`pareto` plans, emits and compiles one step at many budgets with one or
+more planners -- each budget through the verify loop of
+:func:`jaxmem.optimize` -- and returns one frozen :class:`Point` per
+(planner, budget). :func:`frontier` keeps the points no other point beats on
+both memory and time. Step times are roofline estimates for the target
+(:mod:`jaxmem.costmodel`), never measurements.
+
+Without ``budgets`` the sweep starts at the unplanned step's compiled device
+bytes and lowers the budget geometrically (``factor``, default 0.8) until the
+planner cannot fit one, or the budget drops below ``min_fraction`` of the
+unplanned bytes; then it tries once more at the smallest budget the failure
+named (the best compiled footprint :class:`~jaxmem.errors.InfeasibleBudgetError`
+reports), when that lies between the failed budget and the last fitted one.
+
+>>> import jax, jax.numpy as jnp, jaxmem
+>>> def step(w, x):
+...     return jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w) ** 2))(w)
+>>> points = jaxmem.pareto(step, jnp.ones((32, 32)), jnp.ones((64, 32)), budgets=[1.0],
+...                        config=jaxmem.Config(target="cpu"))
+>>> [(p.planner, p.status) for p in points]
+[('greedy', 'ok')]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import numbers
+import time
+from typing import Any, Callable, Literal, Sequence
+
+import jax
+
+from jaxmem import plan as plan_lib
+from jaxmem import targets as targets_lib
+from jaxmem import trace as trace_lib
+from jaxmem.config import Config, parse_bytes
+from jaxmem.errors import InfeasibleBudgetError
+from jaxmem.measure import Report, report
+from jaxmem.optimize import Optimized, effective_config, optimize, verify
+from jaxmem.optimize import _abstract as abstract_args
+
+logger = logging.getLogger(__name__)
+
+BudgetSpec = int | str | float
+OnError = Literal["raise", "record"]
+
+DEFAULT_FACTOR = 0.8
+DEFAULT_MIN_FRACTION = 0.05
+
+_MiB = float(1 << 20)
+
+_BAD_BUDGET = (
+    "pareto(budgets=...) got {value!r}: give ints of bytes, size strings ('512MiB'), or floats "
+    "(or '50%' strings) for a fraction of the unplanned step's compiled device bytes")
+
+_BAD_FACTOR = ("pareto(factor={value!r}): the sweep lowers the budget by this factor each step, so "
+               "it must lie strictly between 0 and 1 (e.g. 0.8)")
+
+_BAD_MIN = ("pareto(min_fraction={value!r}): the sweep's floor is a fraction of the unplanned "
+            "step's compiled bytes in [0, 1) (e.g. 0.05)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One (planner, budget) of a sweep.
+
+    Attributes:
+      planner: the planner's registry name.
+      budget_bytes: the device budget asked for.
+      status: ``"ok"`` (compiled within budget), ``"over_budget"`` (no plan
+        fitted and the config says ``on_over_budget="warn"``: the figures are
+        those of the best plan), ``"infeasible"`` (no plan fitted; only the best
+        compiled bytes are known), ``"fallback: <why>"`` (jaxmem could not plan
+        the step; the figures are the unplanned step's) or, with
+        ``on_error="record"``, ``"error: <what>"``.
+      compiled_bytes: device bytes of the compiled step (temp + arguments +
+        outputs - aliased); for ``infeasible`` the best any round reached.
+      host_bytes: pinned-host bytes of the compiled step.
+      est_step_time_s: the roofline estimate of :func:`jaxmem.measure`.
+      solve_time_s: planner time summed over the verify rounds.
+      elapsed_s: wall time of planning, emitting and compiling this point.
+      rounds: plan-compile rounds the verify loop ran (0 when unknown).
+      plan: the accepted plan (``None`` for infeasible, fallback and error points).
+      min_feasible_bytes: for ``infeasible``, the smallest budget the planner
+        is known to fit (from :class:`~jaxmem.errors.InfeasibleBudgetError`).
+      unplanned_bytes: compiled device bytes of the unplanned step, when known.
+      sweep: ``"grid"`` (a geometric step or a given budget) or
+        ``"smallest_feasible"`` (the extra point at the budget a failure named).
+      monotone: ``False`` when a higher budget of the same planner compiled to
+        fewer device bytes (issue 5's "Monotone" criterion; also logged).
+      report: the full :class:`~jaxmem.measure.Report` (not in the repr).
+      step: the emitted step, ``jax.jit``-ed, called with the step's dynamic
+        arguments (not in the repr).
+    """
+
+    planner: str
+    budget_bytes: int
+    status: str
+    compiled_bytes: int | None
+    host_bytes: int | None
+    est_step_time_s: float | None
+    solve_time_s: float | None
+    elapsed_s: float
+    rounds: int
+    plan: plan_lib.Plan | None
+    min_feasible_bytes: int | None = None
+    unplanned_bytes: int | None = None
+    sweep: Literal["grid", "smallest_feasible"] = "grid"
+    monotone: bool = True
+    report: Report | None = dataclasses.field(default=None, repr=False, compare=False)
+    step: Callable[..., Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the compiled step is within the budget."""
+        return self.status == "ok"
+
+
+def pareto(step: Callable[..., Any], *args: Any, budgets: Sequence[BudgetSpec] | None = None,
+           config: Config | None = None, planners: Sequence[str] | None = None,
+           factor: float = DEFAULT_FACTOR, min_fraction: float = DEFAULT_MIN_FRACTION,
+           unplanned_bytes: int | None = None, on_error: OnError = "raise",
+           **kwargs: Any) -> list[Point]:
+    """Plan and compile ``step`` at many budgets; one :class:`Point` per (planner, budget).
+
+    Args:
+      step: a train step, or a ``@jaxmem.optimize`` step (its config, static
+        and donated arguments are used).
+      *args: the step's arguments (arrays or ``jax.ShapeDtypeStruct``s).
+      budgets: device budgets: ints of bytes, size strings (``"512MiB"``), or
+        floats / ``"50%"`` strings as fractions of the unplanned step's
+        compiled device bytes. ``None``: the sweep of the module docstring.
+      config: target, options and default planner (default: the step's, or
+        ``Config()``); its budget is ignored.
+      planners: planner names (default: ``config.planner``).
+      factor: the sweep's geometric step, in (0, 1).
+      min_fraction: the sweep stops below this fraction of the unplanned bytes.
+      unplanned_bytes: the unplanned step's compiled device bytes on the target
+        when the caller already has them (saves one compile).
+      on_error: ``"raise"`` planner or compiler errors, or ``"record"`` them as
+        ``"error: ..."`` points (logged with their traceback) and go on with
+        the next budget (the next planner, in a sweep).
+      **kwargs: the step's keyword arguments.
+
+    Returns:
+      The points, planner by planner; budgets in the order given (the sweep:
+      from high to low, the smallest-feasible point last).
+
+    Raises:
+      ValueError: a bad budget, factor, floor or planner name (before any planning).
+
+    >>> pts = pareto(lambda w, x: jax.grad(lambda w: (x @ w).sum())(w), jax.numpy.ones((8, 8)),
+    ...              jax.numpy.ones((4, 8)), budgets=["1MiB"], config=Config(target="cpu"))
+    >>> pts[0].compiled_bytes <= pts[0].budget_bytes
+    True
+    """
+    if not 0.0 < factor < 1.0:
+        raise ValueError(_BAD_FACTOR.format(value=factor))
+    if not 0.0 <= min_fraction < 1.0:
+        raise ValueError(_BAD_MIN.format(value=min_fraction))
+    if on_error not in ("raise", "record"):
+        raise ValueError(f"pareto(on_error={on_error!r}): allowed values are 'raise', 'record'")
+    if isinstance(budgets, (int, float, str)):
+        raise ValueError(f"pareto(budgets={budgets!r}) takes a sequence of budgets; write "
+                         f"budgets=[{budgets!r}]")
+    opt = step if isinstance(step, Optimized) else optimize(step, config=config)
+    base = config or opt.config
+    names = list(planners) if planners else [base.planner]
+    configs = {name: dataclasses.replace(base, planner=name) for name in names}  # validates names
+    key, dyn, rebuild = opt._split(args, kwargs)
+    level = key[0]
+    base = effective_config(base, level)
+    target = base.resolve_target(dyn)
+    abstract = abstract_args(dyn, target)
+    sweep = _Sweep(rebuild, abstract, target, unplanned_bytes, on_error)
+    resolved = None if budgets is None else [sweep.resolve(b) for b in budgets]
+    if level == 0:
+        sweep.fallback = "JAXMEM_LEVEL=0 turns jaxmem off"
+    else:
+        try:
+            sweep.graph = opt._graph(dyn, rebuild, target)
+        except trace_lib.UnsupportedConstructError as err:
+            logger.warning("pareto(%s): %s -- every point is the unplanned step", rebuild.__name__,
+                           err)
+            sweep.fallback = str(err)
+    points: list[Point] = []
+    for name in names:
+        config_p = effective_config(configs[name], level)
+        if resolved is None:
+            mine = sweep.geometric(config_p, factor, min_fraction)
+        else:
+            mine = [sweep.point(config_p, b) for b in resolved]
+        points.extend(check_monotone(mine))
+    return points
+
+
+def frontier(points: Sequence[Point]) -> list[Point]:
+    """The points no other point beats on both compiled bytes and estimated time.
+
+    Only points with both figures count (``infeasible`` and ``error`` points
+    have no time). Of points with equal figures the first is kept. Sorted by
+    compiled bytes, increasing (so estimated time decreases).
+
+    >>> p = lambda b, t: Point("greedy", 0, "ok", b, 0, t, 0.0, 0.0, 1, None)
+    >>> [(q.compiled_bytes, q.est_step_time_s) for q in frontier([p(3, 1.0), p(2, 2.0), p(3, 3.0)])]
+    [(2, 2.0), (3, 1.0)]
+    """
+    known = [p for p in points if p.compiled_bytes is not None and p.est_step_time_s is not None]
+    kept: list[Point] = []
+    best_time = float("inf")
+    for p in sorted(known, key=lambda q: (q.compiled_bytes, q.est_step_time_s)):
+        if p.est_step_time_s < best_time:
+            kept.append(p)
+            best_time = p.est_step_time_s
+    return kept
+
+
+def check_monotone(points: Sequence[Point]) -> list[Point]:
+    """``points`` (one planner's) with ``monotone=False`` where a higher budget compiled smaller.
+
+    Only points whose step exists (``ok``, ``over_budget``) are compared. Each
+    violation is logged as a warning naming both budgets.
+    """
+    out = list(points)
+    runs = sorted((i for i, p in enumerate(out) if p.status in ("ok", "over_budget")
+                   and p.compiled_bytes is not None), key=lambda i: -out[i].budget_bytes)
+    best: Point | None = None
+    for i in runs:
+        p = out[i]
+        if best is not None and p.budget_bytes < best.budget_bytes \
+                and p.compiled_bytes > best.compiled_bytes:
+            logger.warning("planner %s is not monotone: budget %.3f MiB compiled to %.3f MiB, but "
+                           "the higher budget %.3f MiB compiled to %.3f MiB", p.planner,
+                           p.budget_bytes / _MiB, p.compiled_bytes / _MiB,
+                           best.budget_bytes / _MiB, best.compiled_bytes / _MiB)
+            out[i] = dataclasses.replace(p, monotone=False)
+        if best is None or p.compiled_bytes < best.compiled_bytes:
+            best = p
+    return out
+
+
+def sweep_budgets(unplanned_bytes: int, factor: float = DEFAULT_FACTOR,
+                  min_fraction: float = DEFAULT_MIN_FRACTION) -> list[int]:
+    """The sweep's grid: ``unplanned_bytes * factor**k`` down to ``min_fraction`` of it.
+
+    The sweep stops early at the first budget a planner cannot fit; this is
+    the most it tries.
+
+    >>> sweep_budgets(1000, 0.5, 0.1)
+    [1000, 500, 250, 125]
+    """
+    if not 0.0 < factor < 1.0:
+        raise ValueError(_BAD_FACTOR.format(value=factor))
+    if not 0.0 <= min_fraction < 1.0:
+        raise ValueError(_BAD_MIN.format(value=min_fraction))
+    floor = max(min_fraction * unplanned_bytes, 1.0)
+    grid: list[int] = []
+    value = float(unplanned_bytes)
+    while value >= floor:
+        budget = int(value)
+        if not grid or budget < grid[-1]:
+            grid.append(budget)
+        value *= factor
+    return grid
+
+
+class _Sweep:
+    """What every point of one step shares: the traced graph, the target, the unplanned bytes."""
+
+    def __init__(self, rebuild: Any, abstract: tuple[Any, ...], target: targets_lib.Target,
+                 unplanned_bytes: int | None, on_error: OnError) -> None:
+        self.rebuild = rebuild
+        self.abstract = abstract
+        self.target = target
+        self.on_error = on_error
+        self.graph: Any = None
+        self.fallback: str | None = None
+        self._unplanned_bytes = unplanned_bytes
+        self._unplanned: tuple[Report, Any] | None = None
+
+    def unplanned(self) -> tuple[Report, Any]:
+        """The unplanned step compiled for the target: its report and jitted step."""
+        if self._unplanned is None:
+            jitted = jax.jit(self.rebuild, donate_argnums=self.rebuild.donated)
+            start = time.perf_counter()
+            compiled = jitted.lower(*self.abstract).compile(
+                compiler_options=self.target.compiler_options)
+            rep = report(compiled, self.target, compile_time_s=time.perf_counter() - start)
+            logger.info("pareto(%s): unplanned step compiles to %.3f MiB device on %s",
+                        self.rebuild.__name__, rep.device_bytes / _MiB, self.target.name)
+            self._unplanned = (rep, jitted)
+        return self._unplanned
+
+    @property
+    def unplanned_bytes(self) -> int:
+        if self._unplanned_bytes is None:
+            self._unplanned_bytes = self.unplanned()[0].device_bytes
+        return self._unplanned_bytes
+
+    def resolve(self, budget: BudgetSpec) -> int:
+        """Bytes of one ``budgets`` entry (fractions are of the unplanned compiled bytes)."""
+        if isinstance(budget, bool):
+            raise ValueError(_BAD_BUDGET.format(value=budget))
+        if isinstance(budget, numbers.Integral):
+            budget = int(budget)
+        elif isinstance(budget, numbers.Real):
+            budget = float(budget)
+        if isinstance(budget, float) or (isinstance(budget, str) and budget.strip().endswith("%")):
+            try:
+                fraction = budget if isinstance(budget, float) else float(budget.strip()[:-1]) / 100
+            except ValueError:
+                raise ValueError(_BAD_BUDGET.format(value=budget)) from None
+            if not fraction > 0:
+                raise ValueError(_BAD_BUDGET.format(value=budget))
+            return max(1, int(fraction * self.unplanned_bytes))
+        if isinstance(budget, (int, str)):
+            try:
+                return parse_bytes(budget, "budget")
+            except ValueError:
+                raise ValueError(_BAD_BUDGET.format(value=budget)) from None
+        raise ValueError(_BAD_BUDGET.format(value=budget))
+
+    def geometric(self, config: Config, factor: float, min_fraction: float) -> list[Point]:
+        """The sweep for one planner: down the grid to the first failure, then its named minimum."""
+        points: list[Point] = []
+        for budget in sweep_budgets(self.unplanned_bytes, factor, min_fraction):
+            point = self.point(config, budget)
+            points.append(point)
+            if point.status.startswith("fallback"):
+                break  # no planning happens: lower budgets give the same step
+            if point.status != "ok":
+                smallest = point.min_feasible_bytes if point.status == "infeasible" \
+                    else point.compiled_bytes if point.status == "over_budget" else None
+                fitted = [p.budget_bytes for p in points if p.status == "ok"]
+                above = min(fitted) if fitted else float("inf")
+                if smallest is not None and budget < smallest < above:
+                    points.append(self.point(config, smallest, sweep="smallest_feasible"))
+                break
+        return points
+
+    def point(self, config: Config, budget_bytes: int,
+              sweep: Literal["grid", "smallest_feasible"] = "grid") -> Point:
+        """Plan, emit and compile at one budget through the verify loop."""
+        config = dataclasses.replace(config, budget=int(budget_bytes))
+        start = time.perf_counter()
+        common = dict(planner=config.planner, budget_bytes=int(budget_bytes), sweep=sweep,
+                      unplanned_bytes=self._unplanned_bytes)
+        if self.fallback is not None:
+            rep, jitted = self.unplanned()
+            return Point(status=f"fallback: {self.fallback}", compiled_bytes=rep.device_bytes,
+                         host_bytes=rep.host_bytes, est_step_time_s=rep.est_step_time_s,
+                         solve_time_s=None, elapsed_s=time.perf_counter() - start, rounds=0,
+                         plan=None, report=rep, step=jitted, **common)
+        try:
+            plan, jitted, compiled, rounds = verify(
+                self.graph, config, self.target, self.abstract, self.rebuild.donated)
+            rep = report(compiled, self.target)
+        except InfeasibleBudgetError as err:
+            logger.info("pareto: planner %s infeasible at %.3f MiB (best compiled %s)",
+                        config.planner, budget_bytes / _MiB, err.best_compiled_bytes)
+            return Point(status="infeasible", compiled_bytes=err.best_compiled_bytes,
+                         host_bytes=None, est_step_time_s=None, solve_time_s=None,
+                         elapsed_s=time.perf_counter() - start, rounds=0, plan=None,
+                         min_feasible_bytes=err.min_feasible_bytes, **common)
+        except Exception as err:
+            if self.on_error == "raise":
+                raise
+            logger.exception("pareto: planner %s failed at budget %.3f MiB", config.planner,
+                             budget_bytes / _MiB)
+            first = (str(err).strip().splitlines() or [""])[0][:400]
+            return Point(status=f"error: {type(err).__name__}: {first}", compiled_bytes=None,
+                         host_bytes=None, est_step_time_s=None, solve_time_s=None,
+                         elapsed_s=time.perf_counter() - start, rounds=0, plan=None, **common)
+        plan = plan.replace(graph=self.graph)  # so that point.plan.report(dir) can draw it
+        status = "ok" if rep.device_bytes <= budget_bytes else "over_budget"
+        point = Point(status=status, compiled_bytes=rep.device_bytes, host_bytes=rep.host_bytes,
+                      est_step_time_s=rep.est_step_time_s,
+                      solve_time_s=sum(r.plan.solve_time_s for r in rounds),
+                      elapsed_s=time.perf_counter() - start, rounds=len(rounds), plan=plan,
+                      report=rep, step=jitted, **common)
+        logger.info("pareto: %s at %.3f MiB: %s, %.3f MiB device, est. %.4g s", config.planner,
+                    budget_bytes / _MiB, status, rep.device_bytes / _MiB, rep.est_step_time_s)
+        return point
