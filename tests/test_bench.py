@@ -261,3 +261,21 @@ def test_bad_sweep_options_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         main(["--models", "fake", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_markdown_by_budget_puts_budgets_in_columns_and_marks_the_fastest_fit():
+    from bench.markdown import by_budget
+
+    def rec(planner, budget, status, peak=None, t=None, host=0):
+        return {"model": "m", "planner": planner, "budget": budget, "budget_bytes": 100 << 20,
+                "status": status, "compiled_peak_bytes": peak, "est_step_time_s": t,
+                "host_bytes": host}
+    lines = [rec("none", "0.5", "over_budget", 200 << 20, 0.010),
+             rec("a", "0.5", "ok", 90 << 20, 0.012), rec("b", "0.5", "ok", 80 << 20, 0.011, 5 << 20),
+             rec("c", "0.5", "infeasible")]
+    text = by_budget(lines).splitlines()
+    assert text[0] == "| model | planner | 0.5 of peak |"
+    assert text[2] == "| m | none | 200 / 10.0 (budget 100) |"
+    assert text[3] == "| m | a | 90 / 12.0 |"
+    assert text[4] == "| m | b | **80 (+5 host) / 11.0** |"
+    assert text[5] == "| m | c | infeasible |"
