@@ -17,6 +17,17 @@ dependencies through ``jax.lax.optimization_barrier``:
   copy completes there and the device buffer can die; the prefetch
   ``jax.device_put(h, Space.Device)`` reads the host copy through a barrier
   with the inputs of the op it is scheduled before, so it does not run early;
+* **placement**: an input placed on ``"pinned_host"`` is moved to host memory
+  at the start of the step (a no-op when the caller already put it there) and
+  prefetched to the device through a barrier with the inputs of its first
+  reader, so the copy does not run early; the output that updates it (the
+  output at the same pytree path in the step's first result, e.g. the new
+  optimizer state) is computed on the device and written back to host memory.
+  On compile-only targets arguments cannot carry a host memory kind (DESIGN.md
+  §3), so there the argument still arrives in device memory and what the
+  placement saves is the updated output's device buffer. A donated input
+  passed in device memory keeps its update on the device (JAX would alias the
+  device buffer to a host output, which PjRt refuses);
 * **order**: equations are emitted in the plan's order; ops whose results
   only reach the step's outputs a few ops later (weight gradients, optimizer
   updates) are tied into the next op of the main chain, so XLA's GPU
@@ -53,10 +64,14 @@ logger = logging.getLogger(__name__)
 PinMode = Literal["auto", "none", "sinks"]
 PIN_MODES: tuple[str, ...] = ("auto", "none", "sinks")
 
-_HOST_PLACEMENT = (
-    "the plan places inputs {tensors} on pinned host, which this emitter does not do yet: "
-    "state placement needs the step's arguments and outputs in host memory (issue 9). "
-    "Plan with Config(allow_state_offload=False), or drop the placement from the plan.")
+_BAD_PLACEMENT = (
+    "the plan places t{tensor} on pinned host, but only the step's inputs (t0..t{last}) can be "
+    "placed; offload a computed value with Plan.offload instead")
+
+_DONATED_ON_DEVICE = (
+    "{n} inputs placed on pinned host ({tensors}) are donated but were passed in device "
+    "memory, so their updates stay on the device. Pass them in pinned host memory (a sharding "
+    "with memory_kind='pinned_host'), or do not donate them.")
 
 _WRONG_ARGS = (
     "the emitted step was traced with arguments of structure {expected} but was called "
@@ -81,8 +96,8 @@ def emit(graph_or_program: Any, plan: plan_lib.Plan | None = None, *,
       :class:`~jaxmem.plan.Schedule` it executes.
 
     Raises:
-      ValueError: for a plan that does not fit the program, one that places
-        inputs on pinned host (not emitted yet), or an unknown ``pin``.
+      ValueError: for a plan that does not fit the program (placement of a
+        value that is not an input included), or an unknown ``pin``.
     """
     if pin not in PIN_MODES:
         raise ValueError(f"pin={pin!r} is not one of {PIN_MODES}")
@@ -92,16 +107,18 @@ def emit(graph_or_program: Any, plan: plan_lib.Plan | None = None, *,
         plan = plan_lib.Plan(order=tuple(range(view.n_ops)), remat={}, offload={}, placement={},
                              planner="none", budget_bytes=0, predicted_peak_bytes=0,
                              predicted_time_s=None)
-    on_host = sorted(t for t, where in plan.placement.items() if where != "device")
-    if on_host:
-        raise ValueError(_HOST_PLACEMENT.format(tensors=on_host[:8]))
+    on_host = frozenset(t for t, where in plan.placement.items() if where == "pinned_host")
+    for t in sorted(on_host):
+        if not 0 <= t < view.n_inputs:
+            raise ValueError(_BAD_PLACEMENT.format(tensor=t, last=view.n_inputs - 1))
     schedule = plan_lib.build_schedule(view, plan)
     changes = bool(plan.remat or plan.offload)
     sink = _tail_ops(view)
     pinning = pin == "sinks" or (pin == "auto" and changes)
     pins = _pin_ops(view, sink) if pinning else frozenset()
     scopes = _checkpoint_scopes(program, schedule)
-    interpreter = _Interpreter(program, schedule, pins, sink, scopes)
+    interpreter = _Interpreter(program, schedule, pins, sink, scopes, on_host,
+                               placed_outputs(program, on_host))
 
     def step(*args: Any, **kwargs: Any) -> Any:
         flat, tree = jax.tree_util.tree_flatten((args, kwargs))
@@ -112,6 +129,49 @@ def emit(graph_or_program: Any, plan: plan_lib.Plan | None = None, *,
     step.schedule = schedule  # type: ignore[attr-defined]
     step.plan = plan  # type: ignore[attr-defined]
     return step
+
+
+### Placement
+
+
+def _rest_of_input_path(path: str) -> str | None:
+    # "args[0]['opt_state'].mu" -> "['opt_state'].mu"
+    if not path.startswith("args["):
+        return None
+    return path[path.index("]") + 1:]
+
+
+def placed_outputs(program: Any, placed: frozenset[int]) -> dict[int, int]:
+    """Output slot -> placed input whose update it is (written back to host memory).
+
+    A train step returns its new state in its first result with the structure
+    of the state argument: the output at the same path below the first result
+    (``[0]['opt_state']...`` for the input ``args[0]['opt_state']...``), of the
+    same shape and dtype, is the placed input's update.
+    """
+    if not placed:
+        return {}
+    outvars = program.jaxpr.jaxpr.outvars
+    leaves = jax.tree_util.tree_unflatten(program.out_tree, list(range(len(outvars))))
+    by_rest: dict[str, int] = {}
+    for path, slot in jax.tree_util.tree_flatten_with_path(leaves)[0]:
+        if path and getattr(path[0], "idx", None) == 0:
+            by_rest[jax.tree_util.keystr(tuple(path[1:]))] = slot
+    invars = program.jaxpr.jaxpr.invars
+    out: dict[int, int] = {}
+    for t in sorted(placed):
+        rest = _rest_of_input_path(program.in_paths[t]) if t < len(program.in_paths) else None
+        slot = by_rest.get(rest) if rest is not None else None
+        if slot is None or slot in out:  # no update, or another input's
+            continue
+        a, b = invars[t].aval, outvars[slot].aval
+        if getattr(a, "shape", None) == getattr(b, "shape", None) and a.dtype == b.dtype:
+            out[slot] = t
+    missing = sorted(placed - set(out.values()))
+    if missing:
+        logger.info("placed inputs %s have no update among the outputs; only their reads "
+                    "are prefetched", missing[:8])
+    return out
 
 
 ### What to pin
@@ -226,7 +286,9 @@ class _Interpreter:
     """Executes a :class:`~jaxmem.plan.Schedule` on traced values (one call per trace)."""
 
     def __init__(self, program: Any, schedule: plan_lib.Schedule, pins: frozenset[int],
-                 sink: frozenset[int], scope_starts: dict[int, int]) -> None:
+                 sink: frozenset[int], scope_starts: dict[int, int],
+                 placed: frozenset[int] = frozenset(),
+                 placed_outputs: dict[int, int] | None = None) -> None:
         self.program = program
         self.schedule = schedule
         self.view = schedule.view
@@ -234,6 +296,8 @@ class _Interpreter:
         self.sink = sink
         self.split = frozenset(t for t in schedule.remat_keys if t < schedule.view.n_tensors)
         self.scope_starts = scope_starts
+        self.placed = placed
+        self.placed_outputs = dict(placed_outputs or {})
         self.scopes = tuple(getattr(program, "remat_scopes", ()) or ())
         jaxpr = program.jaxpr.jaxpr
         self.eqns = jaxpr.eqns
@@ -276,6 +340,16 @@ class _Interpreter:
         view, events = self.view, self.schedule.events
         env: dict[int, Any] = dict(enumerate(flat_args))
         host: dict[int, Any] = {}
+        # Placed inputs live in host memory until their first reader (``env`` holds
+        # the host value until then: it may pass through barriers as a host value).
+        unfetched = set(self.placed)
+        for t in self.placed:
+            env[t] = jax.device_put(env[t], jax.memory.Space.Host)
+        # Updates of placed inputs go to host as soon as they are computed (keyed by
+        # -1 - slot in ``host``), so their device buffers die there, not at the end.
+        back = self._write_back_slots(flat_args)
+        write_back = {v: -1 - slot for slot, v in enumerate(self.schedule.final)
+                      if slot in back and v is not None and v >= view.n_inputs}
         pending_host: list[int] = []      # offloaded tensors whose copy must finish before the next op
         pending_pins: list[int] = []      # versions to tie into the next op
         scope_env: dict[int, dict[int, Any]] = {}
@@ -301,10 +375,13 @@ class _Interpreter:
             if not any(ev.kind == "remat" for ev in before):
                 remat_reads = []
             prefetch = [t for ev in before if ev.kind == "prefetch" for t in ev.tensors]
+            fetch = sorted({r for ev in (*before, op_event) for r in ev.reads
+                            if r is not None and r in unfetched})
+            unfetched.difference_update(fetch)
             op_reads = [r for r in dict.fromkeys(op_event.reads)
                         if r is not None and self._real(r) and r not in made_here]
             delay_ties: list[int] = []
-            if remat_reads or prefetch:
+            if remat_reads or prefetch or fetch:
                 delay_ties = [r for r in op_reads if self.schedule.tensor(r) >= view.n_inputs]
                 if not delay_ties and last_real is not None:
                     delay_ties = [last_real]
@@ -315,7 +392,7 @@ class _Interpreter:
             carry = bool(pending_host or pending_pins) and not blocking
             if carry or not (pending_host or pending_pins):
                 block_ties = []
-            ties = list(dict.fromkeys(remat_reads + delay_ties + block_ties))
+            ties = list(dict.fromkeys(remat_reads + delay_ties + block_ties + fetch))
             hosts = prefetch + ([] if carry else pending_host)
             pinned = [] if carry else pending_pins
             if ties or hosts:
@@ -327,6 +404,8 @@ class _Interpreter:
                     env[v] = value
             if not carry:
                 pending_host, pending_pins = [], []
+            for t in fetch:  # the prefetch of a placed input, after its barrier
+                env[t] = jax.device_put(env[t], jax.memory.Space.Device)
 
             for ev in before:
                 if ev.kind == "prefetch":
@@ -356,16 +435,46 @@ class _Interpreter:
                 (t,) = ev.tensors
                 host[t] = jax.device_put(env[ev.reads[0]], jax.memory.Space.Host)
                 pending_host.append(t)
+            for w in op_event.writes:
+                if w in write_back:
+                    host[write_back[w]] = jax.device_put(env[w], jax.memory.Space.Host)
+                    pending_host.append(write_back[w])
             i = k
 
         results = []
         for slot, version in enumerate(self.schedule.final):
             atom = self.outvars[slot]
             if version is not None:
-                results.append(env[version])
+                value = env[version]
+                if -1 - slot in host:
+                    value = host[-1 - slot]
+                elif slot in back:  # the update goes back to host memory
+                    value = jax.device_put(value, jax.memory.Space.Host)
+                results.append(value)
             else:
                 results.append(atom.val if isinstance(atom, jcore.Literal) else self.consts[atom])
         return results
+
+    def _write_back_slots(self, flat_args: Sequence[Any]) -> frozenset[int]:
+        """Output slots whose values are written back to host: the placed inputs' updates.
+
+        An update whose input is donated but passed in device memory stays on the
+        device: JAX would hand the host output the donated device buffer, which
+        PjRt refuses at run time (the process aborts).
+        """
+        donated = tuple(self.program.donated or ())
+        out, kept = set(), []
+        for slot, t in self.placed_outputs.items():
+            space = getattr(jax.typeof(flat_args[t]), "memory_space", None)
+            if t < len(donated) and donated[t] and space != jax.memory.Space.Host:
+                kept.append(t)
+            else:
+                out.add(slot)
+        if kept:
+            names = ", ".join(f"t{t}" for t in sorted(kept)[:8])
+            names += ", ..." if len(kept) > 8 else ""
+            logger.warning(_DONATED_ON_DEVICE.format(n=len(kept), tensors=names))
+        return frozenset(out)
 
     def _issue(self, ev: plan_lib.Event, env: dict[int, Any],
                scope_env: dict[int, Any] | None = None) -> None:

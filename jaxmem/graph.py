@@ -32,6 +32,7 @@ from jax.extend import core as jcore
 
 from jaxmem import materialize as mat
 from jaxmem import opcost
+from jaxmem import sharding as sharding_lib
 from jax.tree_util import tree_structure
 
 from jaxmem.trace import Program, describe_source, flatten_with_barriers, trace
@@ -252,7 +253,8 @@ def analyse(program: Program, target: str = "h100") -> MemGraph:
             bytes_accessed=cost.bytes_accessed, phase=program.phases[i],
             cheap=mat.is_cheap(prim), source=program.sources[i],
             mem_inputs=tuple(sorted(reads)), transient_bytes=_scratch_bytes(eqn, target),
-            recomputable=prim not in mat.COLLECTIVES and not eqn.effects, inplace=inplace))
+            recomputable=(prim not in mat.COLLECTIVES and prim not in sharding_lib.COMMUNICATING
+                          and not eqn.effects), inplace=inplace))
 
     # Names from checkpoint_name flow to the value and to the buffer it views.
     names: dict[int, str] = {}
@@ -264,11 +266,16 @@ def analyse(program: Program, target: str = "h100") -> MemGraph:
                 names.setdefault(alias[t], names[t])
 
     extra = mat.companion_bytes(jaxpr, b.ids, srcs, program.phases)
+    # Under a mesh, every value counts one device's shard (see jaxmem.sharding).
+    specs = sharding_lib.shard_specs(program) if sharding_lib.is_sharded(program) else None
+    axis_sizes = sharding_lib.mesh_axis_sizes(tuple(program.in_shardings or ()))
     tensors = []
     for t in range(n):
         aval, prod = b.avals[t], b.producer[t]
         sharding = program.in_shardings[t] if t < n_in and program.in_shardings else None
         size = _nbytes(aval, sharding)
+        if specs is not None and sharding is None:
+            size = min(size, sharding_lib.per_device_bytes(aval, specs[t], axis_sizes))
         host = mat.is_host(aval)
         cons = tuple(consumers[t])
         mat_t = materialized[t] and alias[t] is None

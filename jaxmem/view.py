@@ -23,6 +23,9 @@ NEVER_REISSUED = frozenset({
     "psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "psum_scatter",
     "reduce_scatter", "axis_index", "rng_uniform", "io_callback", "debug_callback",
     "infeed", "outfeed", "send", "recv", "device_put",
+    # sharding annotations (jaxmem.sharding.COMMUNICATING): placed once by the partitioner
+    "sharding_constraint", "reshard", "mesh_cast", "shard_map", "all_reduce", "pbroadcast",
+    "psum_invariant",
 })
 
 # A fused value read by two or more ops, one of them a reduction, is kept in

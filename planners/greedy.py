@@ -14,7 +14,10 @@ candidates alive at the peak, ranks them by bytes freed per second of extra
 work, and splits the best ones until the bytes they free cover the excess.
 A round that makes the peak worse is undone and its candidates set aside.
 The order of operations is never changed (greedy does not reorder, whatever
-``allow_reorder`` says).
+``allow_reorder`` says). With ``allow_state_offload``, a plan still over
+budget then places optimizer state (then parameters) in pinned host memory,
+one input at a time in :func:`jaxmem.placement.candidates` order, keeping each
+that lowers the placement-aware simulated peak (:mod:`jaxmem.placement`).
 
 >>> import jax.numpy as jnp
 >>> from jaxmem.graph import build_graph
@@ -32,6 +35,7 @@ import logging
 import time
 from typing import Any, Mapping
 
+from jaxmem import placement as placement_lib
 from jaxmem import plan as plan_lib
 from jaxmem.planners._registry import register
 
@@ -172,6 +176,7 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
       budget_bytes: device bytes the plan must fit in.
       cost_model: a ``jaxmem.costmodel.CostModel`` (times of ops and copies).
       options: ``allow_remat``, ``allow_offload`` (default True),
+        ``allow_state_offload`` (default False: place no inputs on host),
         ``host_budget_bytes`` (pinned host the offloads may use, default 64 GiB),
         ``time_limit_s`` (default none). Other keys are ignored.
 
@@ -238,9 +243,16 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
                 rejected.add(best.tensor)
                 continue
         decisions, sim = trial, new
+    placed: dict[int, str] = {}
+    if options.get("allow_state_offload", False) and sim.peak_bytes > budget_bytes:
+        host_used = plan_lib.build_schedule(graph, decisions.plan(budget_bytes)).host_peak_bytes()
+        placed, sim = _place_state(graph, decisions.plan(budget_bytes), budget_bytes,
+                                   host_budget - host_used, start, time_limit_s)
     if status == "ok" and sim.peak_bytes > budget_bytes:
         status = "over_budget"
     notes = [f"{rounds} rounds; greedy keeps program order"]
+    if placed:
+        notes.append(f"{len(placed)} inputs placed on pinned host")
     if not allow_remat:
         notes.append("remat disabled")
     if not allow_offload:
@@ -248,8 +260,35 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
     return decisions.plan(
         budget_bytes, status=status, solve_time_s=time.perf_counter() - start,
         notes=tuple(notes)).replace(
-        predicted_peak_bytes=sim.peak_bytes,
-        predicted_time_s=_step_time_s(graph, cost_model, decisions, pool))
+        placement=placed, predicted_peak_bytes=sim.peak_bytes,
+        predicted_time_s=_step_time_s(graph, cost_model, decisions, pool)
+        + placement_lib.copy_time_s(graph, cost_model, list(placed)))
+
+
+def _place_state(graph: Any, plan: plan_lib.Plan, budget_bytes: int, host_left: int,
+                 start: float, time_limit_s: float | None) -> tuple[dict[int, str], Any]:
+    """Inputs to place on pinned host, and the placement-aware simulation of the result.
+
+    Candidates are tried in :func:`jaxmem.placement.candidates` order (optimizer
+    state first, larger first: every byte costs the same link time, so bytes per
+    second of copies ranks them alike); one is kept when it lowers the peak.
+    """
+    placed: dict[int, str] = {}
+    sim = placement_lib.simulate_plan(graph, plan)
+    for t in placement_lib.candidates(graph):
+        if sim.peak_bytes <= budget_bytes:
+            break
+        if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
+            logger.info("greedy: time limit reached while placing state; %d placed", len(placed))
+            break
+        cost = placement_lib.host_bytes(graph, [t])
+        if cost > host_left:
+            continue
+        trial = {**placed, t: "pinned_host"}
+        new = placement_lib.simulate_plan(graph, plan.replace(placement=trial))
+        if new.peak_bytes < sim.peak_bytes:
+            placed, sim, host_left = trial, new, host_left - cost
+    return placed, sim
 
 
 def split_every(graph: Any, cost_model: Any, how: str = "remat") -> plan_lib.Plan:
