@@ -12,6 +12,11 @@ Public surface (everything else is internal and may change):
     jaxmem.predict_peak_bytes   a step's predicted device bytes on a target
     jaxmem.pareto    plan a step at many budgets: compiled bytes vs estimated time per planner
     jaxmem.frontier  the points of a sweep no other point beats on memory and time
+    jaxmem.remat     drop-in for jax.checkpoint whose policy (save/offload/remat per name)
+                     comes from the plan; jaxmem.planned_policy() is the same for nn.remat
+    jaxmem.to_policy a decision table -> (jax.checkpoint policy, MaxText-style mapping)
+    jaxmem.use_decisions  apply a decision table to jaxmem.remat blocks while tracing
+    jaxmem.plan_blocks    choose the decision table of a step's blocks for a budget
 """
 
 from jaxmem import targets as targets
@@ -27,5 +32,10 @@ from jaxmem.plan import Plan as Plan
 from jaxmem.explain import explain as explain
 from jaxmem.simulate import predict_peak_bytes as predict_peak_bytes
 from jaxmem.trace import UnsupportedConstructError as UnsupportedConstructError
+from jaxmem.blocks import planned_policy as planned_policy
+from jaxmem.blocks import remat as remat
+from jaxmem.policy import to_policy as to_policy
+from jaxmem.policy import use_decisions as use_decisions
+from jaxmem.scanplan import plan_blocks as plan_blocks
 
 __version__ = "0.1.0.dev0"

@@ -42,3 +42,25 @@ def xla_cost_analysis(compiled: jax.stages.Compiled) -> dict[str, float]:
     module: Any = compiled.runtime_executable().hlo_modules()[0]
     client = jax.devices("cpu")[0].client
     return dict(analysis(client, module))
+
+
+def trace_context_state(name: str, help_text: str) -> Any:
+    """A thread-local JAX config state that is part of every trace and jit cache key.
+
+    ``jaxmem.remat`` reads the active decision table at trace time; JAX caches
+    traces of scan bodies, checkpointed functions and jitted steps on the
+    function and its argument types, so a table held in an ordinary context
+    variable would be ignored by a cached trace. A config state registered with
+    ``include_in_trace_context`` and ``include_in_jit_key`` is part of those keys.
+
+    Args:
+      name: the config option's name (must be unique in the process).
+      help_text: its description.
+
+    Returns:
+      The state: ``state.value`` reads it, ``with state(value):`` sets it.
+    """
+    from jax._src import config as jax_config
+    return jax_config.string_or_object_state(
+        name=name, default=None, help=help_text, include_in_trace_context=True,
+        include_in_jit_key=True)

@@ -101,6 +101,7 @@ class _Entry:
     rounds: tuple[Round, ...] = ()
     graph: Any = None
     fallback: str | None = None
+    block_plan: Any = None  # jaxmem.scanplan.BlockPlan of the step's jaxmem.remat blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,6 +418,12 @@ class Optimized:
                          disk_hits=sum(d.hits for d in self._disk.values()),
                          disk_misses=sum(d.misses for d in self._disk.values()))
 
+    def block_plan(self, *args: Any, **kwargs: Any) -> Any:
+        """The decision table chosen for the step's ``jaxmem.remat`` blocks, as a
+        :class:`jaxmem.scanplan.BlockPlan` (``None`` when the step has none)."""
+        key, dyn, rebuild = self._split(args, kwargs)
+        return self._entry(key, dyn, rebuild).block_plan
+
     def rounds(self, *args: Any, **kwargs: Any) -> tuple[Round, ...]:
         """The verify rounds of these arguments' signature (plans, compiled bytes)."""
         key, dyn, rebuild = self._split(args, kwargs)
@@ -487,6 +494,16 @@ class Optimized:
         program = trace_lib.trace(rebuild, *dyn, donate_argnums=rebuild.donated)
         return graph_lib.analyse(program, target.name)
 
+    def _block_plan(self, dyn: tuple[Any, ...], rebuild: Any, config: Config,
+                    target: targets_lib.Target) -> tuple[Any, Any]:
+        """The step under the decision table of its jaxmem.remat blocks (unchanged if none)."""
+        from jaxmem import scanplan
+
+        return scanplan.with_block_plan(rebuild, dyn, budget_bytes=config.budget_bytes(target),
+                                        target=target.name, donate_argnums=rebuild.donated,
+                                        allow_remat=config.allow_remat,
+                                        allow_offload=config.allow_offload)
+
     def _disk_cache(self, config: Config) -> cache_lib.PlanCache | None:
         directory = config.plan_cache_dir()
         if directory is None:
@@ -512,6 +529,7 @@ class Optimized:
             jitted = jax.jit(rebuild, donate_argnums=donated)
             return _Entry(target=target, plan=None, run=jitted, jitted=jitted, fallback="level 0")
         try:
+            rebuild, block_plan = self._block_plan(dyn, rebuild, config, target)
             graph = self._graph(dyn, rebuild, target)
         except trace_lib.UnsupportedConstructError as err:
             self._counters["fallbacks"] += 1
@@ -536,9 +554,14 @@ class Optimized:
             if disk is not None:
                 disk.store(key, plan)
         plan = plan.replace(graph=graph)
+        if block_plan is not None:
+            plan = plan.replace(block_decisions=dict(block_plan.decisions),
+                                notes=(*plan.notes, "jaxmem.remat blocks: "
+                                       + block_plan.summary().replace("\n", "; ")))
         run = compiled if _runs_here(dyn, target) else jitted
         logger.info("jaxmem.optimize(%s): %s", rebuild.__name__, plan.summary().splitlines()[1])
-        return _Entry(target=target, plan=plan, run=run, jitted=jitted, rounds=rounds, graph=graph)
+        return _Entry(target=target, plan=plan, run=run, jitted=jitted, rounds=rounds, graph=graph,
+                      block_plan=block_plan)
 
 
 class _Bound:

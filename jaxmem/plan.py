@@ -96,6 +96,9 @@ class Plan:
         model for ``cpsat``, which minimizes time under the budget.
       gap: relative gap between the planner's objective value and ``lower_bound``.
       bound_unit: ``"bytes"`` or ``"s"``, what ``lower_bound`` measures.
+      block_decisions: for steps whose repeated blocks use :func:`jaxmem.remat`
+        (or ``planned_policy()``), residual name -> ``"save"`` / ``"remat"`` /
+        ``"offload"`` inside those blocks (:meth:`to_policy`); empty otherwise.
       notes: free-form lines the planner wants the user to see.
       graph: the ``MemGraph`` the plan was made for, when known (a plan from
         ``step.plan(*args)`` of ``@jaxmem.optimize`` carries it; one read from
@@ -116,6 +119,7 @@ class Plan:
     gap: float | None = None
     notes: tuple[str, ...] = ()
     bound_unit: str = "bytes"
+    block_decisions: Mapping[str, str] = dataclasses.field(default_factory=dict)
     graph: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -125,6 +129,8 @@ class Plan:
         set_("offload", _frozen_map(self.offload, int))
         set_("placement", _frozen_map(self.placement, _placement))
         set_("notes", tuple(str(n) for n in self.notes))
+        set_("block_decisions", types.MappingProxyType(
+            {str(k): str(v) for k, v in sorted((self.block_decisions or {}).items())}))
         set_("budget_bytes", int(self.budget_bytes))
         set_("predicted_peak_bytes", int(self.predicted_peak_bytes))
         if self.bound_unit not in BOUND_UNITS:
@@ -153,6 +159,7 @@ class Plan:
             "predicted_time_s": self.predicted_time_s, "status": self.status,
             "solve_time_s": self.solve_time_s, "lower_bound": self.lower_bound, "gap": self.gap,
             "notes": list(self.notes), "bound_unit": self.bound_unit,
+            "block_decisions": dict(self.block_decisions),
         }
 
     def to_json(self) -> str:
@@ -169,7 +176,8 @@ class Plan:
         data = json.loads(text)
         fields = {f.name for f in dataclasses.fields(cls)} - _NOT_IN_JSON
         if isinstance(data, dict):
-            data.setdefault("bound_unit", "bytes")  # plans written before the field existed
+            data.setdefault("bound_unit", "bytes")  # plans written before these fields existed
+            data.setdefault("block_decisions", {})
         if not isinstance(data, dict) or set(data) != fields:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"not a jaxmem plan: expected a JSON object with keys {sorted(fields)}, "
@@ -182,6 +190,19 @@ class Plan:
     def replace(self, **changes: Any) -> "Plan":
         """A copy with some fields changed (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
+
+    def to_policy(self) -> tuple[Any, dict[str, str]]:
+        """The ``jax.checkpoint`` policy of :attr:`block_decisions` and its MaxText-style mapping.
+
+        Returns ``(policy, custom)`` as :func:`jaxmem.policy.to_policy` does:
+        pass ``policy`` to ``jax.checkpoint`` / ``nn.remat`` on the block, or
+        paste ``custom`` (name -> ``"device"`` / ``"offload"`` / ``"remat"``)
+        into a MaxText config. A plan without block decisions gives the policy
+        that recomputes every named residual.
+        """
+        from jaxmem.policy import to_policy
+
+        return to_policy(dict(self.block_decisions))
 
     def report(self, path: "str | os.PathLike[str]", graph: Any = None,
                budget_bytes: int | None = None) -> tuple[Path, Path]:
