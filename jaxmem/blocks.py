@@ -72,9 +72,6 @@ class PlannedPolicy:
     ...     g = jax.grad(f)(jnp.ones(3))
     """
 
-    def __post_init__(self) -> None:
-        _policy.note_planned_policy()
-
     def __call__(self, prim: Any, *avals: Any, **params: Any) -> Any:
         table = _policy.active_decisions()
         if table is None:

@@ -93,22 +93,6 @@ def maxtext_mapping(decisions: DecisionTable) -> dict[str, str]:
 ### Policies
 
 
-# Whether any jaxmem-decided policy was made in this process: until one is, no step can
-# hold planned blocks and @jaxmem.optimize skips looking for them (a trace per signature).
-_PLANNED_POLICY_MADE = False
-
-
-def note_planned_policy() -> None:
-    """Record that a jaxmem-decided policy exists (called when one is made)."""
-    global _PLANNED_POLICY_MADE
-    _PLANNED_POLICY_MADE = True
-
-
-def planned_policy_made() -> bool:
-    """Whether any jaxmem-decided ``jax.checkpoint`` policy was made in this process."""
-    return _PLANNED_POLICY_MADE
-
-
 @dataclasses.dataclass(frozen=True)
 class TablePolicy:
     """A ``jax.checkpoint`` policy that follows a decision table.
@@ -123,9 +107,6 @@ class TablePolicy:
     """
 
     table: TableKey
-
-    def __post_init__(self) -> None:
-        note_planned_policy()
 
     def __call__(self, prim: Any, *avals: Any, **params: Any) -> Any:
         del avals

@@ -467,8 +467,9 @@ def with_block_plan(fn: Callable[..., Any], args: Sequence[Any], *, budget_bytes
     """
     from jaxmem.blocks import uses_planned_blocks  # blocks imports policy only; no cycle
 
-    if (not (allow_remat or allow_offload) or not _policy.planned_policy_made()
-            or not uses_planned_blocks(fn, *args)):
+    # One extra trace per signature: Flax modules make their policies while tracing,
+    # so nothing short of a trace tells whether the step holds planned blocks.
+    if not (allow_remat or allow_offload) or not uses_planned_blocks(fn, *args):
         return fn, None
     try:
         plan = plan_blocks(fn, *args, budget_bytes=budget_bytes, target=target,

@@ -66,12 +66,17 @@ POLICIES: dict[str, str] = {
     "minimal_offloaded": "MaxText 'minimal_offloaded': offload matmuls without batch dims to pinned host",
 }
 
+# Not a peer: every block under jaxmem.planned_policy(), whose decision table (save / remat /
+# offload per residual name) @jaxmem.optimize chooses for the budget (jaxmem.scanplan).
+PLANNED = "jaxmem"
+
 # Policies that move residuals to host memory (the others only save or recompute).
 OFFLOAD_POLICIES = frozenset({"offload_dots_no_batch", "qkv_proj_offloaded", "minimal_offloaded"})
 
 _UNKNOWN_POLICY = (
-    "unknown policy {name!r}; allowed: {allowed}. Policies are the peers of "
-    "jaxmem.planners.peers(); planners are applied by jaxmem.optimize, not by the zoo.")
+    "unknown policy {name!r}; allowed: {allowed}, or 'jaxmem' (blocks whose policy "
+    "@jaxmem.optimize decides). Policies are the peers of jaxmem.planners.peers(); planners are "
+    "applied by jaxmem.optimize, not by the zoo.")
 
 M = TypeVar("M", bound=type[nn.Module])
 
@@ -82,7 +87,7 @@ def check_policy(name: str) -> str:
     Raises:
       ValueError: naming ``name`` and listing the allowed policies.
     """
-    if name not in POLICIES:
+    if name not in POLICIES and name != PLANNED:
         raise ValueError(_UNKNOWN_POLICY.format(name=name, allowed=", ".join(POLICIES)))
     return name
 
@@ -97,6 +102,10 @@ def checkpoint_policy(name: str) -> Callable[..., object] | None:
     check_policy(name)
     if name == "none":
         return None
+    if name == PLANNED:
+        from jaxmem.blocks import planned_policy
+
+        return planned_policy()
     if name == "full":
         return cp.nothing_saveable
     if name == "dots":

@@ -376,3 +376,18 @@ def test_plan_carries_block_decisions_through_json_and_to_policy():
     policy, custom = again.to_policy()
     assert policy.saved == ("query_proj",) and policy.offloaded == ("mlpwi",)
     assert custom == {"query_proj": "device", "mlpwi": "offload"}
+
+
+def test_zoo_scan_model_with_the_jaxmem_policy_gets_a_block_plan_within_budget():
+    """Flax makes the block policy while tracing: optimize must still find the planned blocks."""
+    import jaxmem
+
+    z = zoo.build("gpt2", "tiny", step="train", policy="jaxmem", scan=True)
+    args = targets.get("h100").place(z.args)
+    plain = jaxmem.measure(z.fn, *args, target="h100", donate_argnums=z.donate_argnums)
+    budget = int(0.9 * plain.device_bytes)
+    step = jaxmem.optimize(z.fn, config=jaxmem.Config(budget=budget, target="h100"),
+                           donate_argnums=z.donate_argnums)
+    verified = step.verified(*args)
+    assert step.block_plan(*args) is not None and verified.plan.block_decisions
+    assert verified.plan.status == "ok" and verified.rounds[-1].compiled_bytes <= budget
