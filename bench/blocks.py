@@ -1,0 +1,88 @@
+"""Scanned blocks planned by jaxmem: ``python -m bench.blocks MODEL SIZE FRACTIONS [OUT.jsonl]``.
+
+Builds the zoo's scan variant of ``MODEL`` with every block under
+``jaxmem.planned_policy()`` (the zoo policy ``"jaxmem"``), measures the
+unplanned scan step (policy ``"none"``) on the H100 target, and for each
+fraction of that compiled peak runs ``@jaxmem.optimize``: the blocks'
+decision table is chosen first (:mod:`jaxmem.scanplan`), then the default
+planner plans the rest of the step. One JSON line per budget: status,
+compiled device and host bytes, roofline step time, the block decisions.
+Compare with the stock policies of the same variant:
+``python -m bench --models MODEL --size SIZE --scan --planners <peers>``.
+
+Example::
+
+    JAX_PLATFORMS=cpu python -m bench.blocks gpt2 bench 0.5,0.25,0.2,0.175,0.163 out.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+_MiB = 1 << 20
+
+
+def run(model: str, size: str, fractions: list[float]) -> list[dict]:
+    """One record per fraction of the unplanned scan step's compiled device bytes."""
+    import jaxmem
+    import jaxmem.models as zoo
+    from jaxmem import targets
+
+    target = targets.get("h100")
+    plain = zoo.build(model, size, step="train", policy="none", scan=True)
+    none_bytes = jaxmem.measure(plain.fn, *target.place(plain.args), target="h100",
+                                donate_argnums=plain.donate_argnums).device_bytes
+    records = []
+    for fraction in fractions:
+        z = zoo.build(model, size, step="train", policy="jaxmem", scan=True)
+        budget = int(fraction * none_bytes)
+        step = jaxmem.optimize(z.fn, config=jaxmem.Config(budget=budget, target="h100"),
+                               donate_argnums=z.donate_argnums)
+        args = target.place(z.args)
+        rec: dict = {"model": model, "size": size, "variant": "scan", "fraction": fraction,
+                     "none_bytes": none_bytes, "budget_bytes": budget}
+        started = time.perf_counter()
+        try:
+            verified = step.verified(*args)
+            report = step.measure(*args)
+            rec.update(status=verified.plan.status,
+                       device_bytes=min(r.compiled_bytes for r in verified.rounds),
+                       host_bytes=report.host_bytes, est_step_time_s=report.est_step_time_s,
+                       block_decisions=dict(verified.plan.block_decisions),
+                       step_remat=len(verified.plan.remat),
+                       step_offload=len(verified.plan.offload))
+        except jaxmem.InfeasibleBudgetError as err:
+            rec.update(status="infeasible", min_feasible_bytes=err.min_feasible_bytes)
+        rec["wall_s"] = time.perf_counter() - started
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if len(args) not in (3, 4):
+        print(__doc__, file=sys.stderr)
+        return 2
+    model, size, fractions = args[0], args[1], [float(f) for f in args[2].split(",")]
+    records = run(model, size, fractions)
+    if len(args) == 4:
+        with open(args[3], "w") as out:
+            out.writelines(json.dumps(r) + "\n" for r in records)
+    print("\n| budget MiB | status | device MiB | host MiB | est. ms | block decisions |")
+    print("|---|---|---|---|---|---|")
+    for r in records:
+        if r["status"] == "infeasible":
+            print(f"| {r['budget_bytes'] / _MiB:,.0f} | infeasible | – | – | – | – |")
+            continue
+        saved = ", ".join(f"{k}: {v}" for k, v in sorted(r["block_decisions"].items())
+                          if v != "remat") or "all recomputed"
+        print(f"| {r['budget_bytes'] / _MiB:,.0f} | {r['status']} | {r['device_bytes'] / _MiB:,.0f} "
+              f"| {r['host_bytes'] / _MiB:,.0f} | {1e3 * r['est_step_time_s']:.1f} | {saved} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
