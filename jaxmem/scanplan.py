@@ -369,6 +369,19 @@ def plan_blocks(step: Callable[..., Any], *args: Any, budget_bytes: int,
         effective = min(effective, int(budget_bytes) - (compiled[0] - device), device - 1)
         notes.append(f"compiled {compiled[0]} B for an estimate of {device} B: searched again "
                      f"under {effective} B")
+    if verify and allow_remat and (status != "ok" or compiled is None
+                                   or compiled[0] > budget_bytes):
+        # The estimate can be far from XLA (it may remat on its own): the table that
+        # recomputes every name is the smallest by construction, so compile it before
+        # giving up.
+        frugal = {i.name: "remat" for i in (*infos, *fixed)}
+        if frugal != table:
+            tried = _compiled(tr, frugal, static_argnums, donate_argnums)
+            notes.append(f"no estimated fit; the all-recompute table compiled to {tried[0]} B")
+            if compiled is None or tried[0] < compiled[0]:
+                table, compiled = frugal, tried
+                device, host = tried[0], tried[1]
+            status = "ok" if compiled[0] <= budget_bytes else "over_budget"
     if compiled is not None and compiled[0] > budget_bytes:
         status = "over_budget"
     if compiled is not None and status == "ok" and refine > 0:
