@@ -45,7 +45,7 @@ def _cell(r: dict) -> str:
     if r["status"] != "ok":
         return r["status"].split(":")[0]
     host = f" (+{_mib(r['host_bytes'])} host)" if r.get("host_bytes") else ""
-    return f"{_mib(r['compiled_peak_bytes'])}{host} / {1e3 * r['est_step_time_s']:.1f}"
+    return f"{_mib(r['compiled_peak_bytes'])}{host} / {1e3 * r['est_step_time_s']:.4g}"
 
 
 def by_budget(lines: list[dict]) -> str:
@@ -73,7 +73,7 @@ def by_budget(lines: list[dict]) -> str:
                     cells.append("–")
                 elif planner == "none":
                     cells.append(f"{_mib(r['compiled_peak_bytes'])} / "
-                                 f"{1e3 * r['est_step_time_s']:.1f} (budget {_mib(r['budget_bytes'])})")
+                                 f"{1e3 * r['est_step_time_s']:.4g} (budget {_mib(r['budget_bytes'])})")
                 else:
                     text = _cell(r)
                     bold = r["status"] == "ok" and r["est_step_time_s"] == best[b]

@@ -275,7 +275,7 @@ def test_markdown_by_budget_puts_budgets_in_columns_and_marks_the_fastest_fit():
              rec("c", "0.5", "infeasible")]
     text = by_budget(lines).splitlines()
     assert text[0] == "| model | planner | 0.5 of peak |"
-    assert text[2] == "| m | none | 200 / 10.0 (budget 100) |"
-    assert text[3] == "| m | a | 90 / 12.0 |"
-    assert text[4] == "| m | b | **80 (+5 host) / 11.0** |"
+    assert text[2] == "| m | none | 200 / 10 (budget 100) |"
+    assert text[3] == "| m | a | 90 / 12 |"
+    assert text[4] == "| m | b | **80 (+5 host) / 11** |"
     assert text[5] == "| m | c | infeasible |"
