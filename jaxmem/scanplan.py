@@ -420,13 +420,21 @@ def _refine(tr: _Tracer, scores: _Scores, fixed: Sequence[NameInfo], table: dict
     if len(others) > refine:
         step = (len(others) - 1) / max(refine - 1, 1)
         others = [others[round(k * step)] for k in range(refine)]
+    # XLA may rematerialize on its own when a table saves much (llama): the table that
+    # recomputes every name is then faster than the estimate says, so it is always tried.
+    frugal = dict.fromkeys(table, "remat")
+    if "remat" in choices and frugal != table and all(
+            {**p[0], **{i.name: "remat" for i in fixed}} != frugal for p in others):
+        others.append((frugal, None, None, None))
     tried = 0
     for alt, alt_device, alt_host, _ in others:
         alt = {**alt, **{i.name: "remat" for i in fixed}}
         result = _compiled(tr, alt, static_argnums, donate_argnums)
         tried += 1
         if result[0] <= budget_bytes and (result[2], result[1]) < (compiled[2], compiled[1]):
-            table, device, host, compiled = alt, alt_device, alt_host, result
+            table, compiled = alt, result
+            device = result[0] if alt_device is None else alt_device
+            host = result[1] if alt_host is None else alt_host
     notes.append(f"compiled {tried} other tables of the estimated front; kept the one with the "
                  f"least compiled estimated step time ({compiled[2]:.4g} s)")
     return table, device, host, compiled
