@@ -49,6 +49,21 @@ def _num(value: float | None, scale: float, spec: str) -> str:
     return format(scaled, spec)
 
 
+def _plottable(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records with both a compiled peak and an estimated time."""
+    return [r for r in records if r["compiled_peak_bytes"] is not None
+            and r["est_step_time_s"] is not None]
+
+
+def _axis_units(mine: Sequence[dict[str, Any]]) -> tuple[str, float, str, float]:
+    """``(memory unit, its bytes, time unit, its seconds)`` that fit one model's points."""
+    mem_unit, mem_scale = _unit(max(r["compiled_peak_bytes"] for r in mine),
+                                (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)))
+    time_unit, time_scale = _unit(max(r["est_step_time_s"] for r in mine),
+                                  (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)))
+    return mem_unit, mem_scale, time_unit, time_scale
+
+
 def pareto_plot(records: Sequence[dict[str, Any]], path: str) -> str | None:
     """Compiled device peak vs estimated step time, one panel per model.
 
@@ -62,8 +77,7 @@ def pareto_plot(records: Sequence[dict[str, Any]], path: str) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [r for r in records if r["compiled_peak_bytes"] is not None
-              and r["est_step_time_s"] is not None]
+    points = _plottable(records)
     if not points:
         return None
     models = list(dict.fromkeys(r["model"] for r in points))
@@ -73,10 +87,7 @@ def pareto_plot(records: Sequence[dict[str, Any]], path: str) -> str | None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.8), squeeze=False)
     for ax, model in zip(axes[0], models):
         mine = [r for r in points if r["model"] == model]
-        mem_unit, mem_scale = _unit(max(r["compiled_peak_bytes"] for r in mine),
-                                    (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)))
-        time_unit, time_scale = _unit(max(r["est_step_time_s"] for r in mine),
-                                      (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)))
+        mem_unit, mem_scale, time_unit, time_scale = _axis_units(mine)
         xy = {id(r): (r["compiled_peak_bytes"] / mem_scale, r["est_step_time_s"] / time_scale)
               for r in mine}
         seen: dict[str, tuple[float, float]] = {}
@@ -138,8 +149,7 @@ def frontier_plot(records: Sequence[dict[str, Any]], path: str) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [r for r in records if r["compiled_peak_bytes"] is not None
-              and r["est_step_time_s"] is not None]
+    points = _plottable(records)
     if not points:
         return None
     models = list(dict.fromkeys(r["model"] for r in points))
@@ -149,10 +159,7 @@ def frontier_plot(records: Sequence[dict[str, Any]], path: str) -> str | None:
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5), squeeze=False)
     for ax, model in zip(axes[0], models):
         mine = [r for r in points if r["model"] == model]
-        mem_unit, mem_scale = _unit(max(r["compiled_peak_bytes"] for r in mine),
-                                    (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)))
-        time_unit, time_scale = _unit(max(r["est_step_time_s"] for r in mine),
-                                      (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)))
+        mem_unit, mem_scale, time_unit, time_scale = _axis_units(mine)
         right = 1.15 * max(r["compiled_peak_bytes"] for r in mine) / mem_scale
         budgets = {r["budget_bytes"] for r in records if r["model"] == model
                    and r.get("kind") == "planner" and r["budget_bytes"]}

@@ -75,11 +75,14 @@ class _PlannedGPT2(nn.Module):
         wte = nn.Embed(c.vocab, c.d_model, name="wte")
         wpe = self.param("wpe", nn.initializers.normal(0.01), (c.seq, c.d_model))
         x = wte(tokens) + wpe[: tokens.shape[1]]
-        body = nn.remat(gpt2.GPT2Block, policy=planned_policy(), prevent_cse=False)
+        body = nn.remat(gpt2.GPT2Block, policy=self.block_policy(), prevent_cse=False)
         x, _ = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
                        length=c.layers)(config=c, name="layers")(x, None)
         x = nn.LayerNorm(epsilon=1e-5, name="ln_f")(x)
         return wte.attend(x)
+
+    def block_policy(self):
+        return planned_policy()
 
 
 def _grad_step(model, params, batch):
@@ -276,17 +279,8 @@ class _ManualGPT2(_PlannedGPT2):
 
     fixed_policy: object = None
 
-    @nn.compact
-    def __call__(self, tokens):
-        c = self.config
-        wte = nn.Embed(c.vocab, c.d_model, name="wte")
-        wpe = self.param("wpe", nn.initializers.normal(0.01), (c.seq, c.d_model))
-        x = wte(tokens) + wpe[: tokens.shape[1]]
-        body = nn.remat(gpt2.GPT2Block, policy=self.fixed_policy, prevent_cse=False)
-        x, _ = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
-                       length=c.layers)(config=c, name="layers")(x, None)
-        x = nn.LayerNorm(epsilon=1e-5, name="ln_f")(x)
-        return wte.attend(x)
+    def block_policy(self):
+        return self.fixed_policy
 
 
 def test_plan_blocks_respects_what_it_may_do_and_reports_over_budget():
