@@ -142,7 +142,8 @@ def device_bytes(compiled: jax.stages.Compiled) -> tuple[int, int]:
 
 
 def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args: Sequence[Any],
-           donate_argnums: tuple[int, ...], counters: dict[str, int] | None = None
+           donate_argnums: tuple[int, ...], counters: dict[str, int] | None = None,
+           plain_first: bool = False
            ) -> tuple[plan_lib.Plan, Any, jax.stages.Compiled, tuple[Round, ...]]:
     """Plan, emit and compile until the compiled step fits the budget.
 
@@ -154,6 +155,8 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         placed on the target.
       donate_argnums: donated positions among them.
       counters: optional ``{"plans": n, "compiles": n}`` to increment.
+      plain_first: compile the step as written first and keep it if it fits
+        (used when the blocks' decision table was already verified by compiling).
 
     Returns:
       The accepted plan, its jitted emitted step, its compiled form and every round.
@@ -189,7 +192,18 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         built.append((jitted, compiled))
         return dev, host
 
-    for _ in range(config.verify_rounds):
+    plain = plan_lib.unplanned(graph, planner=config.planner, budget_bytes=budget)
+
+    def compile_plain(note: str) -> int:
+        seen.add(decisions_of(plain))
+        predicted = plan_lib.simulate_plan(graph, plain).peak_bytes
+        return compile_round(plain.replace(predicted_peak_bytes=predicted, notes=(note,)),
+                             budget)[0]
+
+    if plain_first:
+        compile_plain("the step as written, with its blocks' verified decision table")
+    for _ in range(config.verify_rounds if not rounds or rounds[0].compiled_bytes > budget
+                   else 0):
         plan = planner(graph, internal, cost_model, options)
         counters["plans"] = counters.get("plans", 0) + 1
         decisions = decisions_of(plan)
@@ -219,15 +233,11 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         internal = tighter
         if internal <= 0:
             break
-    plain = plan_lib.unplanned(graph, planner=config.planner, budget_bytes=budget)
     if all(r.compiled_bytes > budget for r in rounds) and decisions_of(plain) not in seen:
-        plain = plain.replace(
-            predicted_peak_bytes=plan_lib.simulate_plan(graph, plain).peak_bytes)
         # The simulator can over-predict the step as written (XLA fuses or rematerializes
         # on its own, e.g. under jax.checkpoint policies): compile it once before giving up.
-        plain = plain.replace(notes=("every plan compiled over the budget; the step as "
-                                     "written (no decisions) was compiled as a last resort",))
-        dev, _ = compile_round(plain, budget)
+        dev = compile_plain("every plan compiled over the budget; the step as written (no "
+                            "decisions) was compiled as a last resort")
         logger.info("last resort: the step as written compiled to %.1f MiB device on %s "
                     "(budget %.1f MiB)", dev / _MiB, target.name, budget / _MiB)
     best = min(range(len(rounds)), key=lambda i: rounds[i].compiled_bytes)
@@ -569,8 +579,10 @@ class Optimized:
             dev, host = device_bytes(compiled)
             plan, rounds = cached, (Round(cached.budget_bytes, cached, dev, host),)
         else:
+            fits = (block_plan is not None and block_plan.compiled_peak_bytes is not None
+                    and block_plan.compiled_peak_bytes <= config.budget_bytes(target))
             plan, jitted, compiled, rounds = verify(graph, config, target, abstract, donated,
-                                                    self._counters)
+                                                    self._counters, plain_first=fits)
             if disk is not None:
                 disk.store(key, plan)
         plan = plan.replace(graph=graph)

@@ -385,3 +385,5 @@ def test_zoo_scan_model_with_the_jaxmem_policy_gets_a_block_plan_within_budget()
     verified = step.verified(*args)
     assert step.block_plan(*args) is not None and verified.plan.block_decisions
     assert verified.plan.status == "ok" and verified.rounds[-1].compiled_bytes <= budget
+    # the table was verified by compiling: the step as written is tried first and kept
+    assert not verified.plan.remat and not verified.plan.offload and len(verified.rounds) == 1
