@@ -85,13 +85,13 @@ def planned_policy() -> PlannedPolicy:
     return PlannedPolicy()
 
 
-def _has_planned_remat(jaxpr: jcore.Jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-        if isinstance(eqn.params.get("policy"), (PlannedPolicy, _policy.TablePolicy)):
-            return True
-        if any(_has_planned_remat(sub) for sub in jcore.jaxprs_in_params(eqn.params)):
-            return True
-    return False
+def _planned(policy: Any) -> bool:
+    return isinstance(policy, (PlannedPolicy, _policy.TablePolicy))
+
+
+def holds_planned_blocks(program: Any) -> bool:
+    """Whether a traced :class:`jaxmem.trace.Program` checkpoints blocks with a jaxmem policy."""
+    return any(map(_planned, program.remat_policies))
 
 
 def uses_planned_blocks(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
@@ -106,9 +106,11 @@ def uses_planned_blocks(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bo
     >>> uses_planned_blocks(jax.grad(f), jnp.ones(3)), uses_planned_blocks(jnp.sin, 1.0)
     (True, False)
     """
+    from jaxmem.trace import remat_policies
+
     with _policy.use_decisions(None):
         closed = jax.make_jaxpr(fn)(*args, **kwargs)
-    return _has_planned_remat(closed.jaxpr)
+    return any(map(_planned, remat_policies(closed.jaxpr)))
 
 
 ### Naming dots
@@ -234,4 +236,4 @@ def remat(fn: F | None = None, *, prevent_cse: bool = True,
 
 
 __all__ = ["AUTO_PREFIX", "PlannedPolicy", "named", "planned_policy", "remat",
-           "uses_planned_blocks"]
+           "uses_planned_blocks", "holds_planned_blocks"]

@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from jaxmem import blocks as blocks_lib
 from jaxmem import cache as cache_lib
 from jaxmem import emit as emit_lib
 from jaxmem import graph as graph_lib
@@ -141,6 +142,18 @@ def device_bytes(compiled: jax.stages.Compiled) -> tuple[int, int]:
     return int(device), int(host)
 
 
+def compile_plan(graph: Any, plan: plan_lib.Plan, target: targets_lib.Target,
+                 abstract_args: Sequence[Any], donate_argnums: tuple[int, ...],
+                 counters: dict[str, int]) -> tuple[Any, jax.stages.Compiled, int, int]:
+    """Emit ``plan`` and compile it for ``target``: the jitted step, its compiled form and
+    its device and host bytes; counts the compile in ``counters``."""
+    jitted = jax.jit(emit_lib.emit(graph, plan), donate_argnums=donate_argnums)
+    compiled = jitted.lower(*abstract_args).compile(compiler_options=target.compiler_options)
+    counters["compiles"] = counters.get("compiles", 0) + 1
+    dev, host = device_bytes(compiled)
+    return jitted, compiled, dev, host
+
+
 def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args: Sequence[Any],
            donate_argnums: tuple[int, ...], counters: dict[str, int] | None = None,
            plain_first: bool = False
@@ -184,10 +197,8 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
                             lower_bound=None, gap=None, bound_unit="bytes").to_json()
 
     def compile_round(plan: plan_lib.Plan, planner_budget: int) -> tuple[int, int]:
-        jitted = jax.jit(emit_lib.emit(graph, plan), donate_argnums=donate_argnums)
-        compiled = jitted.lower(*abstract_args).compile(compiler_options=target.compiler_options)
-        counters["compiles"] = counters.get("compiles", 0) + 1
-        dev, host = device_bytes(compiled)
+        jitted, compiled, dev, host = compile_plan(graph, plan, target, abstract_args,
+                                                   donate_argnums, counters)
         rounds.append(Round(planner_budget, plan, dev, host))
         built.append((jitted, compiled))
         return dev, host
@@ -526,13 +537,13 @@ class Optimized:
 
     def _block_plan(self, dyn: tuple[Any, ...], rebuild: Any, config: Config,
                     target: targets_lib.Target) -> tuple[Any, Any]:
-        """The step under the decision table of its jaxmem.remat blocks (unchanged if none)."""
+        """The step under the decision table of its jaxmem.remat blocks, which its trace holds."""
         from jaxmem import scanplan
 
         return scanplan.with_block_plan(rebuild, dyn, budget_bytes=config.budget_bytes(target),
                                         target=target.name, donate_argnums=rebuild.donated,
                                         allow_remat=config.allow_remat,
-                                        allow_offload=config.allow_offload)
+                                        allow_offload=config.allow_offload, holds_blocks=True)
 
     def _disk_cache(self, config: Config) -> cache_lib.PlanCache | None:
         directory = config.plan_cache_dir()
@@ -559,8 +570,13 @@ class Optimized:
             jitted = jax.jit(rebuild, donate_argnums=donated)
             return _Entry(target=target, plan=None, run=jitted, jitted=jitted, fallback="level 0")
         try:
-            rebuild, block_plan = self._block_plan(dyn, rebuild, config, target)
-            graph = self._graph(dyn, rebuild, target)
+            program = trace_lib.trace(rebuild, *dyn, donate_argnums=rebuild.donated)
+            block_plan = None
+            if blocks_lib.holds_planned_blocks(program):
+                rebuild, block_plan = self._block_plan(dyn, rebuild, config, target)
+                if block_plan is not None:  # trace again under the blocks' decision table
+                    program = trace_lib.trace(rebuild, *dyn, donate_argnums=rebuild.donated)
+            graph = graph_lib.analyse(program, target.name)
         except trace_lib.UnsupportedConstructError as err:
             self._counters["fallbacks"] += 1
             logger.warning("jaxmem.optimize(%s): %s -- running the step unplanned (plain "
@@ -573,10 +589,8 @@ class Optimized:
         cached = _cached_plan(disk, key, graph) if disk is not None else None
         if cached is not None:
             # Verified when it was stored: compile it once, run no planner.
-            jitted = jax.jit(emit_lib.emit(graph, cached), donate_argnums=donated)
-            compiled = jitted.lower(*abstract).compile(compiler_options=target.compiler_options)
-            self._counters["compiles"] += 1
-            dev, host = device_bytes(compiled)
+            jitted, compiled, dev, host = compile_plan(graph, cached, target, abstract, donated,
+                                                       self._counters)
             plan, rounds = cached, (Round(cached.budget_bytes, cached, dev, host),)
         else:
             fits = (block_plan is not None and block_plan.compiled_peak_bytes is not None

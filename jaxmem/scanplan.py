@@ -374,7 +374,7 @@ def plan_blocks(step: Callable[..., Any], *args: Any, budget_bytes: int,
         # The estimate can be far from XLA (it may remat on its own): the table that
         # recomputes every name is the smallest by construction, so compile it before
         # giving up.
-        frugal = {i.name: "remat" for i in (*infos, *fixed)}
+        frugal = dict.fromkeys(table, "remat")
         if frugal != table:
             tried = _compiled(tr, frugal, static_argnums, donate_argnums)
             notes.append(f"no estimated fit; the all-recompute table compiled to {tried[0]} B")
@@ -475,10 +475,12 @@ def under_decisions(fn: Callable[..., Any], decisions: Mapping[str, str]) -> Cal
 
 def with_block_plan(fn: Callable[..., Any], args: Sequence[Any], *, budget_bytes: int,
                     target: str, donate_argnums: Sequence[int] = (), allow_remat: bool = True,
-                    allow_offload: bool = True) -> tuple[Callable[..., Any], BlockPlan | None]:
+                    allow_offload: bool = True, holds_blocks: bool | None = None
+                    ) -> tuple[Callable[..., Any], BlockPlan | None]:
     """Plan the step's jaxmem blocks, if it has any, and return the step under that plan.
 
-    ``@jaxmem.optimize`` calls this before its own tracing: a step whose
+    ``@jaxmem.optimize`` calls this when its trace of the step found such blocks
+    (``holds_blocks=True``; without it, this traces the step to find out): a step whose
     repeated blocks use :func:`jaxmem.remat` (or
     :func:`jaxmem.planned_policy`) gets their decision table from
     :func:`plan_blocks` at the step's budget; the rest of the pipeline then
@@ -488,9 +490,11 @@ def with_block_plan(fn: Callable[..., Any], args: Sequence[Any], *, budget_bytes
     """
     from jaxmem.blocks import uses_planned_blocks  # blocks imports policy only; no cycle
 
-    # One extra trace per signature: Flax modules make their policies while tracing,
-    # so nothing short of a trace tells whether the step holds planned blocks.
-    if not (allow_remat or allow_offload) or not uses_planned_blocks(fn, *args):
+    # Flax modules make their policies while tracing: only a trace tells whether the step
+    # holds planned blocks. A caller that has traced it already says so (``holds_blocks``).
+    if holds_blocks is None:
+        holds_blocks = uses_planned_blocks(fn, *args)
+    if not (allow_remat or allow_offload) or not holds_blocks:
         return fn, None
     try:
         plan = plan_blocks(fn, *args, budget_bytes=budget_bytes, target=target,

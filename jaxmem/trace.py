@@ -46,6 +46,7 @@ INLINED_PRIMITIVES = frozenset({
 })
 # Control flow that stays one equation; the graph analyses its bodies.
 CONTROL_FLOW_PRIMITIVES = frozenset({"scan", "while", "cond"})
+REMAT_PRIMITIVES = frozenset({"remat", "remat2", "checkpoint"})
 # Constructs the analysis cannot model faithfully: refused with a clear error.
 REFUSED_PRIMITIVES: dict[str, str] = {
     "io_callback": "host callbacks have side effects that cannot be reordered or recomputed",
@@ -95,6 +96,8 @@ class Program:
       remat_barriers: per remat scope, the flat variables XLA passes through an
         ``optimization_barrier`` when it lowers that checkpoint (its inputs, when
         the checkpoint is differentiated with ``prevent_cse``).
+      remat_policies: the distinct policies of the step's ``jax.checkpoint`` calls,
+        at any depth (scan bodies included), in the order first met.
     """
 
     jaxpr: jcore.ClosedJaxpr
@@ -108,6 +111,7 @@ class Program:
     remat_scopes: tuple[int | None, ...] = ()
     in_paths: tuple[str, ...] = ()
     remat_barriers: tuple[tuple[Any, ...], ...] = ()
+    remat_policies: tuple[Any, ...] = ()
 
     @property
     def eqns(self) -> list[jcore.JaxprEqn]:
@@ -204,7 +208,7 @@ class _Flattener:
                             f"{len(invars)}"))
                 inner_env.update(zip(inner.invars, invars))
                 inner_scope = scope
-                if eqn.primitive.name in ("remat", "remat2", "checkpoint"):
+                if eqn.primitive.name in REMAT_PRIMITIVES:
                     inner_scope = self.n_remat
                     self.n_remat += 1
                     self.barriers.append(_barrier_inputs(eqn, invars))
@@ -415,6 +419,22 @@ def _arg_path(path: Sequence[Any]) -> str:
 ### Entry point
 
 
+def remat_policies(jaxpr: jcore.Jaxpr) -> tuple[Any, ...]:
+    """The distinct ``policy`` of every checkpoint equation in ``jaxpr``, sub-jaxprs included."""
+    found: list[Any] = []
+
+    def walk(j: jcore.Jaxpr) -> None:
+        for eqn in j.eqns:
+            policy = eqn.params.get("policy") if eqn.primitive.name in REMAT_PRIMITIVES else None
+            if policy is not None and all(policy is not f for f in found):
+                found.append(policy)
+            for sub in jcore.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr)
+    return tuple(found)
+
+
 def trace(fn: Callable[..., Any], *args: Any, static_argnums: Sequence[int] | int = (),
           donate_argnums: Sequence[int] | int = (), arg_roles: Sequence[Any] | None = None,
           **kwargs: Any) -> Program:
@@ -476,7 +496,8 @@ def trace(fn: Callable[..., Any], *args: Any, static_argnums: Sequence[int] | in
     program = Program(
         jaxpr=flat, phases=tag_phases(eqns), in_roles=tuple(roles), donated=donated,
         in_tree=traced.in_tree, out_tree=traced.out_tree, in_shardings=shardings,
-        sources=sources, remat_scopes=scopes, in_paths=paths, remat_barriers=barriers)
+        sources=sources, remat_scopes=scopes, in_paths=paths, remat_barriers=barriers,
+        remat_policies=remat_policies(traced.jaxpr.jaxpr))
     logger.debug("traced %s: %d equations, %d inputs (%d donated)",
                  getattr(fn, "__name__", fn), len(eqns), n_in, sum(donated))
     return program

@@ -192,3 +192,12 @@ def test_unsupported_inside_a_loop_body_is_found():
 
     with pytest.raises(UnsupportedConstructError, match="io_callback"):
         trace(step, jnp.ones(3))
+
+
+def test_trace_records_checkpoint_policies_at_any_depth():
+    policy = jax.checkpoint_policies.dots_saveable
+    body = jax.checkpoint(lambda c, x: (jnp.sin(c @ x), None), policy=policy)
+    step = jax.grad(lambda c, xs: jax.lax.scan(body, c, xs)[0].sum())
+    program = trace(step, jnp.ones((3, 3)), jnp.ones((4, 3, 3)))
+    assert program.remat_policies == (policy,)
+    assert trace(jax.grad(lambda x: jnp.sin(x).sum()), jnp.ones(3)).remat_policies == ()
