@@ -58,7 +58,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -109,11 +109,12 @@ class Residuals:
     Attributes:
       order: the op order the positions refer to.
       pos: op id -> position in ``order``.
-      tensors: residual buffers (materialized, produced by a forward op, read
-        by a later phase, not a program output), in production order.
+      tensors: residual buffers (buffers in the emitter's view, produced by a
+        forward op, read by a later phase, not a program output), in
+        production order.
       first_backward: residual -> op id of its first non-forward reader.
-      readers: buffer -> ops that read it (``Op.mem_inputs``), in ``order``.
-      forward: every materialized buffer a forward op produces.
+      readers: buffer -> ops that read it (``View.buffer_reads``), in ``order``.
+      forward: every buffer (``View.materialized``) a forward op produces.
       outputs: buffers of the program's outputs.
     """
 
@@ -130,9 +131,10 @@ def find_residuals(graph: MemGraph, order: Iterable[int] | None = None) -> Resid
     """The residual buffers of ``graph`` under ``order`` (default: the jaxpr order)."""
     order = tuple(graph.topo_order() if order is None else order)
     pos = {op: i for i, op in enumerate(order)}
+    v = plan_lib.view(graph)
     readers: dict[int, list[int]] = {}
     for op in order:
-        for t in graph.ops[op].mem_inputs:
+        for t in v.buffer_reads[op]:
             readers.setdefault(t, []).append(op)
     outputs = {graph.buffer(t) for t in graph.outputs}
     forward, residuals, first = set(), [], {}
@@ -140,7 +142,7 @@ def find_residuals(graph: MemGraph, order: Iterable[int] | None = None) -> Resid
         if graph.ops[op].phase != "forward":
             continue
         for t in graph.ops[op].outputs:
-            if not graph.tensors[t].materialized:
+            if not v.materialized[t]:
                 continue
             forward.add(t)
             late = [r for r in readers.get(t, ()) if graph.ops[r].phase != "forward"]
@@ -150,6 +152,17 @@ def find_residuals(graph: MemGraph, order: Iterable[int] | None = None) -> Resid
     return Residuals(order=order, pos=pos, tensors=tuple(residuals), first_backward=first,
                      readers={t: tuple(r) for t, r in readers.items()},
                      forward=frozenset(forward), outputs=frozenset(outputs - {None}))
+
+
+def _buffer_inputs(graph: MemGraph, tensor: int) -> tuple[int, ...]:
+    """The buffers a re-issue of ``tensor``'s producer reads, as the schedule sees them.
+
+    The emitter's view (:func:`jaxmem.plan.view`) counts some values as buffers
+    that the graph's fusion model fuses (a value shared by a reduction and
+    another reader); a re-issue reads those where they are, so a plan that
+    does not recompute them too keeps them alive until the re-issue.
+    """
+    return plan_lib.view(graph).buffer_reads[graph.tensors[tensor].producer]  # type: ignore[index]
 
 
 def reissuable(graph: MemGraph, tensor: int) -> bool:
@@ -187,7 +200,7 @@ def remat_points(graph: MemGraph, res: Residuals, remat: Iterable[int],
     stack = sorted(want)
     while stack:
         s = stack.pop()
-        for u in graph.ops[graph.tensors[s].producer].mem_inputs:  # type: ignore[index]
+        for u in _buffer_inputs(graph, s):
             if (u not in want and u in res.forward and u not in residual
                     and u not in res.outputs and reissuable(graph, u)):
                 want.add(u)
@@ -197,7 +210,7 @@ def remat_points(graph: MemGraph, res: Residuals, remat: Iterable[int],
     for s in sorted(want, key=lambda t: -graph.tensors[t].producer):  # type: ignore[operator]
         if s not in point:
             continue  # needed by no re-issue and read by no backward op: nothing to do
-        for u in graph.ops[graph.tensors[s].producer].mem_inputs:  # type: ignore[index]
+        for u in _buffer_inputs(graph, s):
             if u in want:
                 point[u] = min(point.get(u, point[s]), point[s])
             elif u in offload and res.pos[offload[u]] > point[s]:
@@ -325,9 +338,10 @@ CUT_WINDOW = 8
 def forward_cuts(graph: MemGraph, res: Residuals) -> tuple[tuple[int, frozenset[int]], ...]:
     """``(op, cut)`` after each forward op: buffers made so far that later forward ops read."""
     forward_ops = [op for op in res.order if graph.ops[op].phase == "forward"]
+    reads = plan_lib.view(graph).buffer_reads
     last: dict[int, int] = {}
     for i, op in enumerate(forward_ops):
-        for t in graph.ops[op].mem_inputs:
+        for t in reads[op]:
             if t in res.forward:
                 last[t] = i
     cuts, alive = [], set()
@@ -375,9 +389,9 @@ def checkpoints_for_threshold(graph: MemGraph, prof: Profile,
     """
     keep, acc = set(prof.forced), 0.0
     candidates = set(prof.candidates)
+    buffer = plan_lib.view(graph).materialized
     for i, (op, cut) in enumerate(prof.cuts):
-        acc += sum(graph.tensors[t].bytes for t in graph.ops[op].outputs
-                   if graph.tensors[t].materialized)
+        acc += sum(graph.tensors[t].bytes for t in graph.ops[op].outputs if buffer[t])
         if i in candidates and acc > threshold_bytes:
             keep |= cut
             acc = 0.0
@@ -394,7 +408,8 @@ def _segment_plan(graph: MemGraph, res: Residuals, keep: frozenset[int]
 ### The planners
 
 
-_SUBLINEAR_DEFAULTS = {"rounds": 8, "factor": 2.0, "small_fraction": 0.01, "short_lifetime": 2}
+_SUBLINEAR_DEFAULTS = {"rounds": 8, "factor": 2.0, "small_fraction": 0.01, "short_lifetime": 2,
+                       "refine": 12}
 
 
 def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
@@ -405,7 +420,10 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     of the threshold, halved in the exponent whenever the search turns),
     ``small_fraction`` (residuals below this share of the largest are kept),
     ``short_lifetime`` (residuals read by the backward pass within this many
-    ops are kept).
+    ops are kept), ``refine`` (after the search, how many of the costliest
+    recomputed residuals are tried as extra checkpoints; one is kept when
+    the plan still fits and gets faster: a segment's most expensive op, such
+    as the output projection before the loss, is often worth its memory).
 
     >>> # see the module docstring for a graph; options are checked:
     >>> sublinear(None, 0, None, {"round": 3})  # doctest: +ELLIPSIS
@@ -413,9 +431,9 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     ValueError: planner 'sublinear' got unknown option(s) ['round']; it accepts [...]...
     """
     opts = check_options("sublinear", options, _SUBLINEAR_DEFAULTS, does=("remat",))
-    if opts["rounds"] < 1 or opts["factor"] <= 1.0:
-        raise ValueError(f"sublinear needs rounds >= 1 and factor > 1; got rounds="
-                         f"{opts['rounds']}, factor={opts['factor']}")
+    if opts["rounds"] < 1 or opts["factor"] <= 1.0 or opts["refine"] < 0:
+        raise ValueError(f"sublinear needs rounds >= 1, factor > 1 and refine >= 0; got rounds="
+                         f"{opts['rounds']}, factor={opts['factor']}, refine={opts['refine']}")
     started = time.perf_counter()
     res = find_residuals(graph)
     prof = profile(graph, res, cost_model, small_fraction=opts["small_fraction"],
@@ -435,7 +453,7 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
         return (2, sim.allocator_peak_bytes)
 
     plain, plain_sim = score({})
-    best, best_rank = plain, rank(plain, plain_sim)
+    best, best_rank, best_keep = plain, rank(plain, plain_sim), frozenset[int]()
     rounds = [f"round 0: no checkpointing, memory {plain_sim.allocator_peak_bytes:,} B"]
     # Chen et al.'s starting point: with blocks of b bytes, about X/b checkpoints of
     # mean size c are kept and one block is recomputed at a time, X*c/b + b, least at
@@ -455,7 +473,7 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
                       f"{len(remat)} recomputed, memory {memory:,} B (k={sim.allocator_k})")
         k = rank(p, sim)
         if k < best_rank:
-            best, best_rank = p, k
+            best, best_rank, best_keep = p, k, keep
         # A plan that fits: try smaller blocks (more checkpoints, fewer recomputations).
         # One that does not: keep going down the U-shaped memory curve, and turn back
         # with half the step when the memory went up.
@@ -465,10 +483,34 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
             direction, log_step = -direction, log_step / 2
         prev_memory = memory
         threshold *= math.exp(direction * log_step)
+    if best_rank[0] == 0 and best.remat and opts["refine"]:
+        best = _refine(graph, res, prof, best, best_keep, opts["refine"], budget_bytes, score,
+                       rounds)
     logger.info("sublinear: %d rounds, best plan recomputes %d tensors", len(rounds) - 1,
                 len(best.remat))
     return finish(graph, budget_bytes, cost_model, planner="sublinear", started=started,
                   order=res.order, remat=best.remat, notes=rounds)
+
+
+def _refine(graph: MemGraph, res: Residuals, prof: Profile, best: plan_lib.Plan,
+            keep: frozenset[int], tries: int, budget_bytes: int,
+            score: Callable[[dict[int, tuple[int, ...]]], tuple[plan_lib.Plan, Any]],
+            notes: list[str]) -> plan_lib.Plan:
+    """Keep the costliest recomputed residuals one by one while the plan still fits.
+
+    A kept residual is one re-issue fewer, so a plan that still fits is no
+    slower; only the fit is simulated per try.
+    """
+    costly = sorted((t for t in best.remat if t in prof.recompute_s),
+                    key=lambda t: -prof.recompute_s[t])[:tries]
+    kept = 0
+    for t in costly:
+        p, sim = score(_segment_plan(graph, res, keep | {t}))
+        if sim.allocator_peak_bytes <= budget_bytes:
+            best, keep, kept = p, keep | {t}, kept + 1
+    notes.append(f"refined: {kept} of the {len(costly)} costliest recomputed residuals kept "
+                 f"as checkpoints")
+    return best
 
 
 _CHEN_DEFAULTS = {"segments": None, "small_fraction": 0.01, "short_lifetime": 2}
