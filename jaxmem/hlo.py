@@ -19,7 +19,8 @@ cross-checked against it on the CPU target (tests do):
 - a reduce costs (input - output elements) applications of its reducer;
 - bytes accessed by a scheduled instruction = bytes of its operands plus
   bytes of its outputs; a fusion reads only the slices its slicing users
-  take, and a fusion that updates a buffer in place writes only the update.
+  take, and a fusion that updates a buffer in place writes only the update
+  (bitcasts inside the fusion are looked through: they move no bytes).
 
 Host memory is XLA's memory space 5 (``S(5)`` in a layout). Bytes moved
 between device and pinned host -- ``copy-start`` / ``copy`` between memory
@@ -461,38 +462,78 @@ def _fusion_traffic(inst: Instruction, caller: Computation, called: Computation,
                     ) -> tuple[list[tuple[int, bool]], list[tuple[int, bool]]]:
     """Bytes a fusion reads (per operand) and writes (per output), with memory spaces.
 
-    A parameter read only through slices costs the slices; one that is
-    updated in place by the root ``dynamic-update-slice`` costs nothing to
-    read, and the fusion writes only the update.
+    ``bitcast`` is free inside a fusion (it renames the same bytes), so uses
+    and producers are traced through chains of them. A parameter costs, per
+    use, the slice a ``slice``/``dynamic-slice`` takes of it and nothing as
+    the buffer of an in-place update (below); any other use reads all of it,
+    so a parameter never costs more than its size (and one no instruction
+    uses costs nothing). When every output is produced by a
+    ``dynamic-update-slice`` whose buffer is a parameter, XLA emits the
+    fusion in place: it writes only the updates into the operands' buffers
+    (on the GPU the kernel's threads cover the updates alone), so the
+    fusion writes only the updates.
     """
     params = called.parameters()
     root = called.root
     roots = ([called.by_name[o] for o in root.operands] if root.opcode == "tuple" else [root])
-    in_place = {r.operands[0] for r in roots if r.opcode == "dynamic-update-slice"}
+    producers = [_through_views(called, r.name) for r in roots]
+    # XLA emits a fusion in place only when every output is such an update.
+    in_place = ({p.name for p in producers}
+                if all(_updates_parameter_in_place(called, p) for p in producers) else set())
     reads: list[tuple[int, bool]] = []
     for index, operand in enumerate(inst.operands):
         shape = caller.shape_of(operand)
         param = params.get(index)
-        if param is None:
-            reads.append((shape.byte_size, shape.on_host))
-            continue
-        users = called.users(param.name)
-        if param.name in in_place and all(u.opcode == "dynamic-update-slice" for u in users):
-            continue
-        if users and all(u.opcode in ("slice", "dynamic-slice") and u.operands[0] == param.name
-                         for u in users):
-            reads.append((sum(u.shape.byte_size for u in users), shape.on_host))
-        else:
-            reads.append((shape.byte_size, shape.on_host))
+        nbytes = shape.byte_size if param is None else _parameter_read_bytes(called, param,
+                                                                             in_place)
+        reads.append((nbytes, shape.on_host))
     writes: list[tuple[int, bool]] = []
     leaves = out.leaves()
     for index, leaf in enumerate(leaves):
-        producer = roots[index] if len(roots) == len(leaves) else None
-        if producer is not None and producer.opcode == "dynamic-update-slice":
+        producer = producers[index] if len(producers) == len(leaves) else None
+        if producer is not None and producer.name in in_place:
             writes.append((called.shape_of(producer.operands[1]).byte_size, leaf.on_host))
         else:
             writes.append((leaf.byte_size, leaf.on_host))
     return reads, writes
+
+
+def _through_views(comp: Computation, name: str) -> Instruction:
+    """The instruction that computes ``name``'s bytes: ``name`` with bitcasts looked through."""
+    inst = comp.by_name[name]
+    while inst.opcode == "bitcast" and inst.operands:
+        inst = comp.by_name[inst.operands[0]]
+    return inst
+
+
+def _updates_parameter_in_place(comp: Computation, inst: Instruction) -> bool:
+    """``inst`` is a ``dynamic-update-slice`` into a fused parameter's buffer."""
+    return (inst.opcode == "dynamic-update-slice"
+            and _through_views(comp, inst.operands[0]).opcode == "parameter")
+
+
+def _parameter_read_bytes(comp: Computation, param: Instruction, in_place: set[str]) -> int:
+    """Bytes a fused computation reads of parameter ``param`` (see :func:`_fusion_traffic`)."""
+    full = param.shape.byte_size
+    total, pending, seen = 0, [param.name], set()
+    while pending:
+        value = pending.pop()
+        if value == comp.root.name:
+            return full  # the fusion outputs the parameter's bytes as they are
+        for user in comp.users(value):
+            if user.name in seen:
+                continue
+            seen.add(user.name)
+            first_only = user.operands[0] == value and value not in user.operands[1:]
+            if user.opcode == "bitcast":
+                pending.append(user.name)
+            elif user.name in in_place and first_only:
+                continue  # the buffer updated in place: its other elements are not touched
+            elif user.opcode in ("slice", "dynamic-slice") and first_only:
+                total += user.shape.byte_size
+            else:
+                return full
+    return min(total, full)
 
 
 def _async_parts(inst: Instruction) -> tuple[Shape, Shape]:
