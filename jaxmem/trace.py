@@ -418,6 +418,24 @@ def _arg_path(path: Sequence[Any]) -> str:
 
 ### Entry point
 
+# Memory kinds of host-resident arguments (state a plan placed on pinned host).
+HOST_MEMORY_KINDS = frozenset({"pinned_host", "unpinned_host"})
+
+
+def _in_device_memory(x: Any) -> Any:
+    """``x`` as an abstract value in device memory when it lives in host memory, else ``x``.
+
+    A step's state that a plan placed on pinned host comes back from the step
+    in host memory and is passed to the next call as is. The user's step reads
+    it as if it lived on the device (JAX refuses one op over two memory spaces),
+    so it is traced that way; the emitted step moves it (see ``jaxmem.emit``).
+    """
+    sharding = getattr(x, "sharding", None)
+    if getattr(sharding, "memory_kind", None) not in HOST_MEMORY_KINDS:
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.with_memory_kind("device"),
+                                weak_type=bool(getattr(x, "weak_type", False)))
+
 
 def remat_policies(jaxpr: jcore.Jaxpr) -> tuple[Any, ...]:
     """The distinct ``policy`` of every checkpoint equation in ``jaxpr``, sub-jaxprs included."""
@@ -464,12 +482,15 @@ def trace(fn: Callable[..., Any], *args: Any, static_argnums: Sequence[int] | in
     """
     static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-    traced = jax.jit(fn, static_argnums=static, donate_argnums=donate).trace(*args, **kwargs)
+    n = len(args)
+    static_set = {i % n for i in static} if n else set()
+    on_device = [a if i in static_set else jax.tree_util.tree_map(_in_device_memory, a)
+                 for i, a in enumerate(args)]
+    traced = jax.jit(fn, static_argnums=static, donate_argnums=donate).trace(
+        *on_device, **jax.tree_util.tree_map(_in_device_memory, kwargs))
     check_supported(traced.jaxpr.jaxpr)
     flat, scopes, barriers = flatten_with_barriers(traced.jaxpr)
 
-    n = len(args)
-    static_set = {i % n for i in static} if n else set()
     dyn_args = [a for i, a in enumerate(args) if i not in static_set]
     dyn_roles = None
     if arg_roles is not None:
