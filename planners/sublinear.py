@@ -109,12 +109,11 @@ class Residuals:
     Attributes:
       order: the op order the positions refer to.
       pos: op id -> position in ``order``.
-      tensors: residual buffers (buffers in the emitter's view, produced by a
-        forward op, read by a later phase, not a program output), in
-        production order.
+      tensors: residual buffers (materialized, produced by a forward op, read
+        by a later phase, not a program output), in production order.
       first_backward: residual -> op id of its first non-forward reader.
-      readers: buffer -> ops that read it (``View.buffer_reads``), in ``order``.
-      forward: every buffer (``View.materialized``) a forward op produces.
+      readers: buffer -> ops that read it (``Op.mem_inputs``), in ``order``.
+      forward: every materialized buffer a forward op produces.
       outputs: buffers of the program's outputs.
     """
 
@@ -131,10 +130,9 @@ def find_residuals(graph: MemGraph, order: Iterable[int] | None = None) -> Resid
     """The residual buffers of ``graph`` under ``order`` (default: the jaxpr order)."""
     order = tuple(graph.topo_order() if order is None else order)
     pos = {op: i for i, op in enumerate(order)}
-    v = plan_lib.view(graph)
     readers: dict[int, list[int]] = {}
     for op in order:
-        for t in v.buffer_reads[op]:
+        for t in graph.ops[op].mem_inputs:
             readers.setdefault(t, []).append(op)
     outputs = {graph.buffer(t) for t in graph.outputs}
     forward, residuals, first = set(), [], {}
@@ -142,7 +140,7 @@ def find_residuals(graph: MemGraph, order: Iterable[int] | None = None) -> Resid
         if graph.ops[op].phase != "forward":
             continue
         for t in graph.ops[op].outputs:
-            if not v.materialized[t]:
+            if not graph.tensors[t].materialized:
                 continue
             forward.add(t)
             late = [r for r in readers.get(t, ()) if graph.ops[r].phase != "forward"]
@@ -152,17 +150,6 @@ def find_residuals(graph: MemGraph, order: Iterable[int] | None = None) -> Resid
     return Residuals(order=order, pos=pos, tensors=tuple(residuals), first_backward=first,
                      readers={t: tuple(r) for t, r in readers.items()},
                      forward=frozenset(forward), outputs=frozenset(outputs - {None}))
-
-
-def _buffer_inputs(graph: MemGraph, tensor: int) -> tuple[int, ...]:
-    """The buffers a re-issue of ``tensor``'s producer reads, as the schedule sees them.
-
-    The emitter's view (:func:`jaxmem.plan.view`) counts some values as buffers
-    that the graph's fusion model fuses (a value shared by a reduction and
-    another reader); a re-issue reads those where they are, so a plan that
-    does not recompute them too keeps them alive until the re-issue.
-    """
-    return plan_lib.view(graph).buffer_reads[graph.tensors[tensor].producer]  # type: ignore[index]
 
 
 def reissuable(graph: MemGraph, tensor: int) -> bool:
@@ -200,7 +187,7 @@ def remat_points(graph: MemGraph, res: Residuals, remat: Iterable[int],
     stack = sorted(want)
     while stack:
         s = stack.pop()
-        for u in _buffer_inputs(graph, s):
+        for u in graph.ops[graph.tensors[s].producer].mem_inputs:  # type: ignore[index]
             if (u not in want and u in res.forward and u not in residual
                     and u not in res.outputs and reissuable(graph, u)):
                 want.add(u)
@@ -210,7 +197,7 @@ def remat_points(graph: MemGraph, res: Residuals, remat: Iterable[int],
     for s in sorted(want, key=lambda t: -graph.tensors[t].producer):  # type: ignore[operator]
         if s not in point:
             continue  # needed by no re-issue and read by no backward op: nothing to do
-        for u in _buffer_inputs(graph, s):
+        for u in graph.ops[graph.tensors[s].producer].mem_inputs:  # type: ignore[index]
             if u in want:
                 point[u] = min(point.get(u, point[s]), point[s])
             elif u in offload and res.pos[offload[u]] > point[s]:
@@ -338,10 +325,9 @@ CUT_WINDOW = 8
 def forward_cuts(graph: MemGraph, res: Residuals) -> tuple[tuple[int, frozenset[int]], ...]:
     """``(op, cut)`` after each forward op: buffers made so far that later forward ops read."""
     forward_ops = [op for op in res.order if graph.ops[op].phase == "forward"]
-    reads = plan_lib.view(graph).buffer_reads
     last: dict[int, int] = {}
     for i, op in enumerate(forward_ops):
-        for t in reads[op]:
+        for t in graph.ops[op].mem_inputs:
             if t in res.forward:
                 last[t] = i
     cuts, alive = [], set()
@@ -389,9 +375,9 @@ def checkpoints_for_threshold(graph: MemGraph, prof: Profile,
     """
     keep, acc = set(prof.forced), 0.0
     candidates = set(prof.candidates)
-    buffer = plan_lib.view(graph).materialized
     for i, (op, cut) in enumerate(prof.cuts):
-        acc += sum(graph.tensors[t].bytes for t in graph.ops[op].outputs if buffer[t])
+        acc += sum(graph.tensors[t].bytes for t in graph.ops[op].outputs
+                   if graph.tensors[t].materialized)
         if i in candidates and acc > threshold_bytes:
             keep |= cut
             acc = 0.0
@@ -421,9 +407,9 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     ``small_fraction`` (residuals below this share of the largest are kept),
     ``short_lifetime`` (residuals read by the backward pass within this many
     ops are kept), ``refine`` (after the search, how many of the costliest
-    recomputed residuals are tried as extra checkpoints; one is kept when
-    the plan still fits and gets faster: a segment's most expensive op, such
-    as the output projection before the loss, is often worth its memory).
+    recomputed residuals are tried as extra checkpoints; one is kept when the
+    plan still fits: a segment's most expensive op, such as the output
+    projection before the loss, is often worth its memory).
 
     >>> # see the module docstring for a graph; options are checked:
     >>> sublinear(None, 0, None, {"round": 3})  # doctest: +ELLIPSIS

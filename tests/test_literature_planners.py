@@ -159,36 +159,6 @@ def test_remat_points_recompute_a_segment_before_its_first_backward_use(mlp_grap
         assert mlp_graph.ops[at].phase != "forward"
 
 
-def _softmax_loss(ws, x):
-    for w in ws:
-        x = x + jax.nn.softmax(x @ w, axis=-1) @ w.T
-    return jnp.sum(x * x)
-
-
-def test_segments_recompute_values_the_emitter_keeps_as_buffers():
-    """A softmax's exp is fused in the graph's model but a buffer to the emitter
-    (a reduction and the division share it, see ``jaxmem.view.REDUCTIONS``). A
-    recomputed segment must recompute it too: re-issued ops may read only kept
-    checkpoints, fresh copies and the step's inputs, never a forward original
-    that would then stay alive until the backward pass."""
-    t = jax.ShapeDtypeStruct
-    g = build_graph(jax.grad(_softmax_loss), [t((64, 64), jnp.float32)] * 3,
-                    t((512, 64), jnp.float32), target="h100")
-    v = plan_lib.view(g)
-    assert any(v.materialized[x.id] and not x.materialized for x in g.tensors)  # the case exists
-    res = sublinear.find_residuals(g)
-    prof = sublinear.profile(g, res, COST)
-    keep = frozenset(prof.forced.union(*(prof.cuts[i][1] for i in prof.candidates)))
-    plan = _run("chen", g, 1 << 30, segments=len(prof.candidates))
-    sched = plan_lib.build_schedule(g, plan)
-    for ev in sched.events:
-        if ev.kind == "remat":
-            for r in ev.reads:
-                assert (r is None or r >= v.n_tensors or r in keep or v.producer[r] is None
-                        or not v.materialized[r]), f"re-issue of op {ev.op} reads original t{r}"
-    assert plan.predicted_peak_bytes < _peak(g)
-
-
 ### vDNN
 
 
