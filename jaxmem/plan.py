@@ -44,7 +44,7 @@ BOUND_UNITS: tuple[str, ...] = ("bytes", "s")
 
 _MiB = float(1 << 20)
 # Fields that are not decisions: kept out of JSON (and of equality).
-_NOT_IN_JSON = frozenset({"graph"})
+_NOT_IN_JSON = frozenset({"graph", "alternatives"})
 
 _NO_GRAPH = (
     "Plan.report needs the MemGraph the {planner} plan was made for, and this plan carries none "
@@ -103,6 +103,12 @@ class Plan:
       graph: the ``MemGraph`` the plan was made for, when known (a plan from
         ``step.plan(*args)`` of ``@jaxmem.optimize`` carries it; one read from
         JSON does not). Not part of equality, ``repr`` or JSON.
+      alternatives: other plans the planner found within the budget under the
+        simulator whose estimated time is close to this one's, fastest first
+        (``cpsat`` gives up to two). The planners' estimate is taken on the
+        jaxpr and can rank plans differently from the compiled step, so the
+        verify loop of :func:`jaxmem.optimize` compiles them too and keeps the
+        fastest by the compiled roofline. Not part of equality, ``repr`` or JSON.
     """
 
     order: tuple[int, ...]
@@ -121,6 +127,7 @@ class Plan:
     bound_unit: str = "bytes"
     block_decisions: Mapping[str, str] = dataclasses.field(default_factory=dict)
     graph: Any = dataclasses.field(default=None, compare=False, repr=False)
+    alternatives: tuple["Plan", ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731

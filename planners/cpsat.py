@@ -96,6 +96,10 @@ _HEURISTIC_SHARE = 0.5
 _FIXED_SHARE = 0.4
 _MIN_SOLVE_S = 1.0
 _TIME_RTOL = 1e-9
+# Fitting candidates within this share of the fastest estimate are handed to the verify
+# loop as Plan.alternatives (at most _ALTERNATIVES), to be ranked by compiled time.
+_ALTERNATIVE_RTOL = 0.10
+_ALTERNATIVES = 2
 _DECISION_FRACTION = 2000
 
 _BAD_OPTION = ("cpsat: unknown option {key!r} (value {value!r}); allowed: {allowed}. Fix: drop it "
@@ -323,11 +327,41 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
     for s in ([solver] if solver else []) + heur:
         notes.append(f"candidate {s.name}: simulated peak {s.peak_bytes:,} B, estimated "
                      f"{s.time_s:.4g} s")
+    alternatives = _alternatives(best, fits, budget_bytes, started, notes)
+    if alternatives:
+        notes.append("alternatives for the verify loop to compile: " + ", ".join(
+            a.notes[-1].removeprefix("alternative: ") for a in alternatives))
     return best.plan.replace(
+        alternatives=alternatives,
         planner=NAME, budget_bytes=budget_bytes, predicted_peak_bytes=best.peak_bytes,
         predicted_time_s=best.time_s, status=status,
         solve_time_s=time.perf_counter() - started, lower_bound=lower, gap=gap,
         bound_unit="s", notes=tuple(notes))
+
+
+def _alternatives(best: _Scored, fits: list[_Scored], budget_bytes: int, started: float,
+                  notes: list[str]) -> tuple[plan_lib.Plan, ...]:
+    """Other fitting candidates close to ``best`` in estimated time, fastest first."""
+    def decisions(plan: plan_lib.Plan) -> tuple[Any, ...]:
+        return (tuple(plan.order), sorted(plan.remat.items()), sorted(plan.offload.items()),
+                sorted(plan.placement.items()))
+
+    seen = [decisions(best.plan)]
+    out = []
+    for s in sorted(fits, key=lambda s: (s.time_s, s.peak_bytes)):
+        key = decisions(s.plan)
+        if key in seen or s.time_s > best.time_s * (1 + _ALTERNATIVE_RTOL):
+            continue
+        seen.append(key)
+        out.append(s.plan.replace(
+            planner=NAME, budget_bytes=budget_bytes, predicted_peak_bytes=s.peak_bytes,
+            predicted_time_s=s.time_s, status=f"fallback: {s.name} plan (an alternative)",
+            solve_time_s=time.perf_counter() - started, lower_bound=None, gap=None,
+            bound_unit="s", notes=(*notes, f"alternative: {s.name} (simulated peak "
+                                              f"{s.peak_bytes:,} B, estimated {s.time_s:.4g} s)")))
+        if len(out) == _ALTERNATIVES:
+            break
+    return tuple(out)
 
 
 register(NAME, plan_cpsat, "joint order, remat and offload by CP-SAT (OR-Tools), warm-started "

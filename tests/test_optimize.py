@@ -259,3 +259,33 @@ def test_the_step_as_written_is_compiled_last_when_every_plan_is_over(monkeypatc
     assert plan.status == "ok" and not plan.remat and rounds[1].compiled_bytes <= plain
     assert any("last resort" in n for n in plan.notes)
     assert _same(step(params, x), jax.jit(jax.grad(_mlp_loss))(params, x))
+
+
+def test_alternatives_are_compiled_and_the_fastest_fitting_plan_is_kept(monkeypatch):
+    """A planner's ``Plan.alternatives`` are compiled too; the compiled roofline picks.
+
+    The fake planner prefers a plan that re-issues everything and offers the plan
+    that re-issues nothing as its alternative: both fit a generous budget, and the
+    compiled step without re-issues is the faster one.
+    """
+    from jaxmem import plan as plan_lib
+    from jaxmem.planners import _registry, greedy
+
+    def planner(g, budget, cost_model, options):
+        everything = greedy.split_every(g, cost_model, "remat")
+        nothing = plan_lib.unplanned(g).replace(notes=("alternative: nothing re-issued",))
+        return everything.replace(planner="prefers_remat", budget_bytes=budget,
+                                  alternatives=(nothing,))
+
+    monkeypatch.setitem(_registry._ENTRIES, "prefers_remat", _registry.Entry(
+        name="prefers_remat", kind="planner", doc="test", fn=planner))
+    params, x = _mlp_args()
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+        budget="1GiB", target="h100", planner="prefers_remat", verify_rounds=1))
+    verified = step.verified(params, x)
+    assert len(verified.rounds) == 2 and verified.rounds[0].plan.remat
+    assert verified.plan.status == "ok" and not verified.plan.remat  # the alternative won
+    ranked = [n for n in verified.plan.notes if n.startswith("ranked 2 fitting plans")]
+    assert ranked and "alternative: nothing re-issued" in ranked[0]
+    assert "alternatives" not in verified.plan.to_json()
+    assert plan_lib.Plan.from_json(verified.plan.to_json()) == verified.plan
