@@ -34,9 +34,16 @@ dependencies through ``jax.lax.optimization_barrier``:
   scheduler cannot push them (and the buffers they read) to the end.
 
 Only values XLA really allocates are tied (a barrier on a fused value would
-force it into memory). Outputs, their pytree and donation are unchanged; the
-emitted function is not jitted: :func:`jaxmem.optimize` jits it with the
-step's static and donated arguments.
+force it into memory). A barrier or a host copy also hides a value's producer
+from XLA's algebraic simplifier, which rewrites arithmetic across chains of
+layout and one-operand ops (a reduction drops the transposes and negations
+before it and sums in another order; a multiply by a converted mask becomes a
+select; constant scalings fold together). So ties, re-issue inputs and host
+copies go on the value such a chain starts from, and the chain is re-issued
+after it (:meth:`_Interpreter._tie_point`): the planned step computes the
+plain step's bits on the CPU. Outputs, their pytree and donation are
+unchanged; the emitted function is not jitted: :func:`jaxmem.optimize` jits it
+with the step's static and donated arguments.
 
 >>> import jax, jax.numpy as jnp
 >>> from jaxmem import trace
@@ -50,7 +57,9 @@ True
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import math
 from typing import Any, Callable, Iterator, Literal, Sequence
 
 import jax
@@ -180,6 +189,15 @@ def placed_outputs(program: Any, placed: frozenset[int]) -> dict[int, int]:
 LAYOUT_PRIMITIVES = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim",
                                "convert_element_type", "copy", "copy_p"})
 
+# Elementwise ops that, with one array operand (the others literals), the
+# simplifier folds into their readers (negations and constant scalings move
+# across reductions and dots).
+_ONE_OPERAND_ARITHMETIC = frozenset({"neg", "mul", "div", "add", "sub", "integer_pow",
+                                     "add_any", "max", "min", "abs"})
+
+# Producers that absorb a transpose of their result (see _Interpreter._folds_layout).
+_LAYOUT_FOLDING = frozenset({"dot_general", "conv_general_dilated"})
+
 # An op whose results reach the step's outputs within this many ops is a *tail*
 # op (a weight gradient and its transpose, an optimizer update, the loss).
 TAIL_OPS = 4
@@ -278,6 +296,17 @@ def _bind(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def _aval_bytes(aval: Any) -> int:
+    shape = getattr(aval, "shape", ())
+    dtype = getattr(aval, "dtype", None)
+    return math.prod(shape) * dtype.itemsize if dtype is not None else 0
+
+
+def _transparent(primitive: str) -> bool:
+    """Whether XLA's simplifier looks through ``primitive`` when it rewrites its readers."""
+    return primitive in LAYOUT_PRIMITIVES or primitive in _ONE_OPERAND_ARITHMETIC
+
+
 def _barrier(values: list[Any]) -> list[Any]:
     return list(jax.lax.optimization_barrier(values)) if values else values
 
@@ -296,6 +325,13 @@ class _Interpreter:
         self.sink = sink
         self.split = frozenset(t for t in schedule.remat_keys if t < schedule.view.n_tensors)
         self.scope_starts = scope_starts
+        # Per run: version -> the event that computed it, and when (in issue order);
+        # versions the emitter makes beyond the schedule's (chains recomputed after a
+        # prefetch) -> their tensor.
+        self.made_by: dict[int, plan_lib.Event] = {}
+        self.issued_at: dict[int, int] = {}
+        self._extra_tensor: dict[int, int] = {}
+        self._next_version = 0
         self.placed = placed
         self.placed_outputs = dict(placed_outputs or {})
         self.scopes = tuple(getattr(program, "remat_scopes", ()) or ())
@@ -303,6 +339,10 @@ class _Interpreter:
         self.eqns = jaxpr.eqns
         self.consts = dict(zip(jaxpr.constvars, program.jaxpr.consts))
         self.outvars = jaxpr.outvars
+        # Bytes of every value as the program computes it (the view sizes fused values 0).
+        self.nbytes = [_aval_bytes(v.aval) for v in jaxpr.invars] + [
+            _aval_bytes(v.aval) for e in self.eqns for v in e.outvars
+            if not isinstance(v, jcore.DropVar)] + [_aval_bytes(v.aval) for v in jaxpr.constvars]
         # Versions the events of each checkpoint scope read from outside it.
         self.scope_inputs = self._scope_inputs()
 
@@ -338,6 +378,8 @@ class _Interpreter:
 
     def run(self, flat_args: Sequence[Any]) -> list[Any]:
         view, events = self.view, self.schedule.events
+        self.made_by, self.issued_at, self._extra_tensor = {}, {}, {}
+        self._next_version = view.n_tensors + len(self.schedule.tensor_of)
         env: dict[int, Any] = dict(enumerate(flat_args))
         host: dict[int, Any] = {}
         # Placed inputs live in host memory until their first reader (``env`` holds
@@ -351,6 +393,7 @@ class _Interpreter:
         write_back = {v: -1 - slot for slot, v in enumerate(self.schedule.final)
                       if slot in back and v is not None and v >= view.n_inputs}
         pending_host: list[int] = []      # offloaded tensors whose copy must finish before the next op
+        offloaded: dict[int, list[int]] = {}  # offloaded tensor -> chain its prefetch recomputes
         pending_pins: list[int] = []      # versions to tie into the next op
         scope_env: dict[int, dict[int, Any]] = {}
         last_real: int | None = None
@@ -392,7 +435,21 @@ class _Interpreter:
             carry = bool(pending_host or pending_pins) and not blocking
             if carry or not (pending_host or pending_pins):
                 block_ties = []
-            ties = list(dict.fromkeys(remat_reads + delay_ties + block_ties + fetch))
+            # Any one input of the op orders it; tie those the simplifier does not look
+            # through, at the start of their layout chains (see _order_ties).
+            reads = [r for r in dict.fromkeys(op_event.reads)
+                     if r is not None and r not in made_here and r not in unfetched]
+            chains: list[tuple[int, list[int]]] = []
+            if delay_ties:
+                chains += self._order_ties(
+                    [r for r in reads if self.schedule.tensor(r) >= view.n_inputs], delay_ties,
+                    unfetched, delay=True)
+            if block_ties:
+                chains += self._order_ties([r for r in reads if r not in pending_pins],
+                                           block_ties, unfetched, delay=False)
+            # A re-issue reads its inputs through the barrier at the start of their chains too.
+            chains += [self._start_of_chain(r, unfetched) for r in remat_reads]
+            ties = list(dict.fromkeys([c[0] for c in chains] + fetch))
             hosts = prefetch + ([] if carry else pending_host)
             pinned = [] if carry else pending_pins
             if ties or hosts:
@@ -402,6 +459,12 @@ class _Interpreter:
                     host[t] = value
                 for v, value in zip(versions, out[len(hosts):]):
                     env[v] = value
+                reissued = {c[0] for c in chains}  # a tied value is never recomputed untied
+                for _, chain in chains:
+                    for w in chain:
+                        if w not in reissued:
+                            reissued.add(w)
+                            self._issue(self.made_by[w], env)
             if not carry:
                 pending_host, pending_pins = [], []
             for t in fetch:  # the prefetch of a placed input, after its barrier
@@ -410,7 +473,8 @@ class _Interpreter:
             for ev in before:
                 if ev.kind == "prefetch":
                     (t,), (w,) = ev.tensors, ev.writes
-                    env[w] = jax.device_put(host[t], jax.memory.Space.Device)
+                    self._replay(offloaded[t], jax.device_put(host[t], jax.memory.Space.Device),
+                                 w, env)
                 else:  # remat / fused: re-issue the producer equation
                     self._issue(ev, env)
 
@@ -425,15 +489,19 @@ class _Interpreter:
             # A re-issued tensor keeps fewer readers of its first copy; keep that copy a
             # buffer as it was, or XLA fuses it into a lone reader and a fused reduction
             # may sum in another order (results would no longer be bitwise equal).
-            kept = [w for w in outs if w in self.split]
+            # (Not a value the simplifier computes through: see _tie_point.)
+            kept = [w for w in outs if w in self.split and self._opaque(w)]
             if kept:
                 for w, value in zip(kept, _barrier([env[w] for w in kept])):
                     env[w] = value
             if op_event.op in self.pins:
                 pending_pins.extend(outs)
             for ev in after:
+                # The copy is of the value the tensor's chain starts from; the prefetch
+                # recomputes the chain, which XLA simplifies as in the plain step.
                 (t,) = ev.tensors
-                host[t] = jax.device_put(env[ev.reads[0]], jax.memory.Space.Host)
+                root, offloaded[t] = self._tie_point(ev.reads[0], unfetched, buffers_only=False)
+                host[t] = jax.device_put(env[root], jax.memory.Space.Host)
                 pending_host.append(t)
             for w in op_event.writes:
                 if w in write_back:
@@ -490,3 +558,158 @@ class _Interpreter:
         for w, value in zip(ev.writes, outs):
             if w is not None:
                 env[w] = value
+                self.made_by[w] = ev
+                self.issued_at[w] = len(self.issued_at)
+
+    def _replay(self, chain: list[int], root: Any, w: int, env: dict[int, Any]) -> None:
+        """Set ``env[w]`` to the end of ``chain`` (see :meth:`_tie_point`) recomputed from ``root``.
+
+        The recomputed values get fresh version ids, so a later tie can walk the
+        chain up to ``root`` as it walks any other.
+        """
+        if not chain:
+            env[w] = root
+            self.issued_at[w] = len(self.issued_at)
+            return
+        start = self._operand_if_transparent(chain[0])
+        assert start is not None
+        prev = self._fresh(self._tensor(start))
+        env[prev] = root
+        self.issued_at[prev] = len(self.issued_at)
+        for k, c in enumerate(chain):
+            ev, operand = self.made_by[c], self._operand_if_transparent(c)
+            new = w if k == len(chain) - 1 else self._fresh(self._tensor(c))
+            self._issue(dataclasses.replace(
+                ev, reads=tuple(prev if r == operand else r for r in ev.reads),
+                writes=tuple(None if x is None else new for x in ev.writes)), env)
+            prev = new
+
+    def _fresh(self, tensor: int) -> int:
+        version = self._next_version
+        self._next_version += 1
+        self._extra_tensor[version] = tensor
+        return version
+
+    def _tensor(self, version: int) -> int:
+        return self._extra_tensor.get(version, self.schedule.tensor(version))
+
+    def _order_ties(self, reads: list[int], fallback: list[int], unfetched: set[int],
+                    delay: bool) -> list[tuple[int, list[int]]]:
+        """The ties that order an op after a barrier: ``(tied version, chain)`` pairs.
+
+        Tying any one input of an op makes it wait for the barrier. Tie points
+        whose producer the simplifier does not look through (a matmul, a
+        reduction, a two-operand op, an input) are taken when some input has
+        one; otherwise each of ``fallback`` is tied at its :meth:`_tie_point`.
+        A delay tie (holding a copy back until the op's inputs exist) must be a
+        computed value: a program input exists from the start.
+        """
+        def clean(walks: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+            return [w for w in walks if self._opaque(w[0]) and not self._constant(w[0])
+                    and not (delay and self._tensor(w[0]) < self.view.n_inputs)]
+
+        usual = [self._tie_point(r, unfetched) for r in fallback]
+        # A delay tie must hold the copy back as long as the usual ties do: until the
+        # newest value they are computed from (through their chains) is computed.
+        due = max((self.issued_at.get(self._tie_point(r, unfetched, buffers_only=False)[0], -1)
+                   for r in fallback), default=-1) if delay else -1
+        buffers = [w for w in clean([self._tie_point(r, unfetched) for r in reads])
+                   if self._real(w[0])]
+        if buffers and max(self.issued_at.get(w[0], -1) for w in buffers) >= due:
+            return buffers
+        # A fused value as tie point becomes a buffer: take the smallest one.
+        fused = [w for w in clean([self._tie_point(r, unfetched, buffers_only=False)
+                                   for r in reads]) if self.issued_at.get(w[0], -1) >= due]
+        if fused:
+            return [min(fused, key=lambda w: self.nbytes[self._tensor(w[0])])]
+        return usual
+
+    def _start_of_chain(self, version: int, unfetched: set[int]) -> tuple[int, list[int]]:
+        """:meth:`_tie_point` of ``version``, up to a fused value if the chain starts there.
+
+        A re-issue must read every input through the barrier; where the chain to
+        an input starts at a fused value (the comparison under a mask), that value
+        is tied: the barrier then hides nothing the simplifier would rewrite.
+        """
+        walk = self._tie_point(version, unfetched, buffers_only=False)
+        if self._folds_layout(walk[0]):
+            # A chain from a matmul is re-issued as it was (a new copy of its layout
+            # ops would be folded into the matmul differently from the first).
+            return version, []
+        if self._opaque(walk[0]) and not self._constant(walk[0]):
+            return walk
+        return self._tie_point(version, unfetched)
+
+    def _primitive(self, version: int) -> str | None:
+        ev = self.made_by.get(version)
+        return None if ev is None else self.view.primitives[ev.op]  # type: ignore[index]
+
+    def _folds_layout(self, version: int) -> bool:
+        """Whether the simplifier folds a transpose of ``version`` into its producer.
+
+        ``transpose(dot(a, b))`` becomes a matmul with its operands swapped, which
+        XLA's CPU backend computes with another kernel (other bits): a transpose
+        reading a matmul stays with it.
+        """
+        return self._primitive(version) in _LAYOUT_FOLDING
+
+    def _constant(self, version: int) -> bool:
+        """Whether ``version`` is computed from literals only (``ones_like``, ``iota``).
+
+        The simplifier folds such values into their readers (``1 * x`` is ``x``).
+        """
+        ev = self.made_by.get(version)
+        return ev is not None and all(r is None for r in ev.reads)
+
+    def _opaque(self, version: int) -> bool:
+        """Whether the simplifier does not look through ``version``'s producer."""
+        return self._operand_if_transparent(version) is None
+
+    def _operand_if_transparent(self, version: int) -> int | None:
+        """The one operand of ``version``'s producer if the simplifier looks through it."""
+        ev = self.made_by.get(version)
+        if ev is None or not _transparent(self.view.primitives[ev.op]):  # type: ignore[index]
+            return None
+        # A value made of literals only counts as one (``ones * x`` is ``x`` to it).
+        reads = list(dict.fromkeys(r for r in ev.reads if r is not None and not self._constant(r)))
+        if len(reads) != 1 or sum(w is not None for w in ev.writes) != 1:
+            return None
+        return reads[0]
+
+    def _tie_point(self, version: int, unfetched: set[int],
+                   buffers_only: bool = True) -> tuple[int, list[int]]:
+        """Where an order tie for ``version`` goes: ``(tied version, chain to re-issue)``.
+
+        XLA's algebraic simplifier rewrites a value together with the layout and
+        one-operand ops it is computed through: a reduction drops the transposes
+        and negations before it (and sums in another order), a multiply by a
+        converted mask becomes a select. A barrier in the middle of such a chain
+        stops the rewrite, so the planned step would compute other bits than the
+        plain one. The tie goes instead on the value the chain starts from (never
+        larger than ``version``, so no more bytes stay alive), and the chain is
+        re-issued from the tied copy: the op reads what it read in the plain
+        program, computed through the same chain.
+
+        Args:
+          version: the value an op reads (or a copy sends to host).
+          unfetched: placed inputs still in host memory (never walked into).
+          buffers_only: stop at the highest value of the chain that XLA
+            allocates (``False``: at the chain's start, even a fused value).
+
+        Returns:
+          The tie point and the versions from it down to ``version`` to re-issue.
+        """
+        walked: list[int] = []
+        top, below = version, 0
+        v = version
+        while True:
+            up = self._operand_if_transparent(v)
+            if (up is None or up in unfetched
+                    or self.nbytes[self._tensor(up)] > self.nbytes[self._tensor(version)]
+                    or self._folds_layout(up) and self._primitive(v) == "transpose"):
+                break
+            walked.append(v)
+            v = up
+            if self._real(v) or not buffers_only:
+                top, below = v, len(walked)
+        return top, walked[:below][::-1]
