@@ -32,6 +32,9 @@ How it runs, within ``time_limit_s``:
    ``predicted_time_s``. The heuristic plans are scored the same way; the
    fastest plan that fits is returned (the solver's unless a heuristic beats
    it: then ``status="fallback: ..."``). Nothing fits: ``"over_budget"``.
+   Up to two other fitting candidates within 10% of its estimate go along as
+   ``Plan.alternatives``: the estimate is on the jaxpr, so the verify loop of
+   :func:`jaxmem.optimize` compiles them and keeps the fastest by compiled time.
 
 ``lower_bound`` and ``gap`` are the solver's, on its objective: the step time
 (seconds) of the coarse model, whose durations are rounded up to ticks.
