@@ -1,38 +1,97 @@
-"""Count random programs whose planned step is not bitwise equal to the plain step (CPU).
+"""Random programs, their plans, and a count of those not bitwise equal to the plain step (CPU).
 
 ``python -m bench.random_exactness N [--max] [--start S]`` draws programs ``S .. S+N-1``
-with the generator of ``tests/test_emit.py`` (compositions of matmuls, elementwise ops,
-reductions, reshapes, broadcasts and residual branches under ``jax.grad``; ``--max``
-adds max reductions), plans each with one of the test's three modes (greedy at a random
-fraction of its simulated peak, every candidate re-issued in a random valid order, every
-candidate offloaded in a random valid order), runs the emitted and the plain step and
-prints each mismatch with its size in ulps of the largest output value, then the count.
-Case ``k`` draws everything from ``random.Random(k)``, so a run repeats exactly.
+(:func:`random_program`: compositions of matmuls, elementwise ops, reductions, reshapes,
+broadcasts and residual branches under ``jax.grad``; ``--max`` adds max reductions), plans
+each with one of three modes (:func:`random_plan`: greedy at a random fraction of its
+simulated peak, every candidate re-issued in a random valid order, every candidate offloaded
+in a random valid order), runs the emitted and the plain step and prints each mismatch with
+its size in ulps of the largest output value, then the count. Case ``k`` draws everything
+from ``random.Random(k)``, so a run repeats exactly. ``tests/test_emit.py`` draws its
+hypothesis examples from the same generator and plans.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import random
 import sys
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 OPS = ("matmul", "residual", "elementwise", "reduce", "reshape", "broadcast")
+MODES = ("greedy", "remat", "offload")
 
 
-def _test_module() -> Any:
-    """``tests/test_emit.py``, whose random program generator the count shares."""
-    path = Path(__file__).resolve().parent.parent / "tests" / "test_emit.py"
-    spec = importlib.util.spec_from_file_location("jaxmem_test_emit", path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+def random_program(spec: list[str], width: int, seed: int) -> tuple[Callable[..., Any], Any]:
+    """The gradient of a loss over the composition ``spec`` (names from :data:`OPS` and
+    ``"max"``), and its example arguments."""
+    import jax
+    import jax.numpy as jnp
+
+    n_w = sum(op in ("matmul", "residual") for op in spec)
+    keys = jax.random.split(jax.random.PRNGKey(seed), n_w + 1)
+    weights = [jax.random.normal(k, (width, width)) / width for k in keys[:n_w]]
+    x = jax.random.normal(keys[-1], (6, width))
+
+    def loss(ws: Any, x: Any) -> Any:
+        ws = iter(ws)
+        for op in spec:
+            if op == "matmul":
+                x = x @ next(ws)
+            elif op == "residual":
+                x = x + jnp.tanh(x @ next(ws))
+            elif op == "elementwise":
+                x = jnp.sin(x) * x + 0.5
+            elif op == "reduce":
+                x = x - jnp.mean(x, axis=-1, keepdims=True)
+            elif op == "reshape":
+                x = x.reshape(-1, 2, width // 2).swapaxes(1, 2).reshape(-1, width) * 1.5
+            elif op == "broadcast":
+                x = x * jnp.mean(x, axis=0)[None, :]
+            elif op == "max":
+                x = x * jnp.max(x, axis=0)[None, :]
+        return jnp.sum(x ** 2)
+
+    return jax.grad(loss), (weights, x)
+
+
+def random_order(view: Any, seed: int) -> tuple[int, ...]:
+    """A random topological order of ``view``'s ops (Kahn's algorithm, random pick)."""
+    rng = random.Random(seed)
+    waiting, readers = [0] * view.n_ops, {}
+    for op in range(view.n_ops):
+        producers = {view.producer[t] for t in view.inputs_of(op)} - {None}
+        waiting[op] = len(producers)
+        for p in producers:
+            readers.setdefault(p, []).append(op)
+    ready, order = [op for op in range(view.n_ops) if not waiting[op]], []
+    while ready:
+        op = ready.pop(rng.randrange(len(ready)))
+        order.append(op)
+        for r in readers.get(op, ()):
+            waiting[r] -= 1
+            if not waiting[r]:
+                ready.append(r)
+    return tuple(order)
+
+
+def random_plan(graph: Any, mode: str, frac: float, seed: int) -> Any:
+    """``greedy`` at ``frac`` of the simulated peak, or every candidate re-issued
+    (``"remat"``) or offloaded (``"offload"``) in a random valid order."""
+    from jaxmem import plan as plan_lib
+    from jaxmem.costmodel import CostModel
+    from jaxmem.planners import greedy
+
+    cpu = CostModel.for_target("cpu")
+    if mode == "greedy":
+        budget = int(frac * plan_lib.simulate_plan(graph, plan_lib.unplanned(graph)).peak_bytes)
+        return greedy.plan_greedy(graph, max(budget, 1), cpu, {})
+    plan = greedy.split_every(graph, cpu, mode)
+    return plan.replace(order=random_order(plan_lib.view(graph), seed))
 
 
 def case(k: int, with_max: bool) -> tuple[list[str], int, int, float, str]:
@@ -40,33 +99,24 @@ def case(k: int, with_max: bool) -> tuple[list[str], int, int, float, str]:
     rng = random.Random(k)
     ops = OPS + (("max",) if with_max else ())
     spec = [rng.choice(ops) for _ in range(rng.randint(2, 7))]
-    return (spec, rng.choice([8, 16]), rng.randrange(2**16), rng.uniform(0.1, 1.0),
-            rng.choice(["greedy", "remat", "offload"]))
+    return spec, rng.choice([8, 16]), rng.randrange(2**16), rng.uniform(0.1, 1.0), rng.choice(MODES)
 
 
-def ulps_off(k: int, with_max: bool, tests: Any) -> float:
+def ulps_off(k: int, with_max: bool) -> float:
     """0 when case ``k``'s planned step has the plain step's bits, else the worst difference
     in ulps of the largest magnitude of the output leaf."""
     import jax
     import numpy as np
 
     from jaxmem import emit
-    from jaxmem import plan as plan_lib
     from jaxmem.graph import analyse
-    from jaxmem.planners import greedy
     from jaxmem.trace import trace
 
     spec, width, seed, frac, mode = case(k, with_max)
-    step, args = tests._random_program(spec, width, seed)
+    step, args = random_program(spec, width, seed)
     reference = jax.jit(step)(*args)
     g = analyse(trace(step, *args), "cpu")
-    if mode == "greedy":
-        budget = int(frac * plan_lib.simulate_plan(g, plan_lib.unplanned(g)).peak_bytes)
-        plan = greedy.plan_greedy(g, max(budget, 1), tests.CPU, {})
-    else:
-        plan = greedy.split_every(g, tests.CPU, mode)
-        plan = plan.replace(order=tests._random_order(plan_lib.view(g), seed))
-    out = jax.jit(emit.emit(g, plan))(*args)
+    out = jax.jit(emit.emit(g, random_plan(g, mode, frac, seed)))(*args)
     worst = 0.0
     for x, y in zip(jax.tree_util.tree_leaves(reference), jax.tree_util.tree_leaves(out)):
         x, y = np.asarray(x), np.asarray(y)
@@ -86,10 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.disable(logging.WARNING)
     import jax
 
-    tests = _test_module()
     bad = []
     for k in range(args.start, args.start + args.n):
-        worst = ulps_off(k, args.max, tests)
+        worst = ulps_off(k, args.max)
         if worst:
             bad.append(k)
             print(f"mismatch: case {k} {case(k, args.max)} {worst:.1f} ulps", flush=True)

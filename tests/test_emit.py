@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import random
 
 import hypothesis
 import hypothesis.strategies as st
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 
 import jaxmem.models as zoo
+from bench.random_exactness import MODES, random_order, random_plan, random_program
 from jaxmem import emit, hlo, simulate, targets
 from jaxmem import plan as plan_lib
 from jaxmem.costmodel import CostModel
@@ -31,26 +31,6 @@ def _leaves_equal(a, b) -> bool:
     return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
-def _random_order(view: plan_lib.View, seed: int) -> tuple[int, ...]:
-    """A random topological order of the ops (Kahn's algorithm, random pick)."""
-    rng = random.Random(seed)
-    waiting, readers = [0] * view.n_ops, {}
-    for op in range(view.n_ops):
-        producers = {view.producer[t] for t in view.inputs_of(op)} - {None}
-        waiting[op] = len(producers)
-        for p in producers:
-            readers.setdefault(p, []).append(op)
-    ready, order = [op for op in range(view.n_ops) if not waiting[op]], []
-    while ready:
-        op = ready.pop(rng.randrange(len(ready)))
-        order.append(op)
-        for r in readers.get(op, ()):
-            waiting[r] -= 1
-            if not waiting[r]:
-                ready.append(r)
-    return tuple(order)
-
-
 def _plans(graph) -> dict[str, plan_lib.Plan]:
     """Remat-only, offload-only, reorder-only and combined plans touching every candidate."""
     view = plan_lib.view(graph)
@@ -58,11 +38,11 @@ def _plans(graph) -> dict[str, plan_lib.Plan]:
     offload = greedy.split_every(graph, CPU, "offload")
     half = dict(list(sorted(offload.offload.items()))[1::2])
     both = plan_lib.Plan(
-        order=_random_order(view, 1), remat={t: p for t, p in remat.remat.items() if t not in half},
+        order=random_order(view, 1), remat={t: p for t, p in remat.remat.items() if t not in half},
         offload=half, placement={}, planner="test", budget_bytes=0, predicted_peak_bytes=0,
         predicted_time_s=None)
     return {"remat": remat, "offload": offload,
-            "reorder": plan_lib.unplanned(graph).replace(order=_random_order(view, 0)),
+            "reorder": plan_lib.unplanned(graph).replace(order=random_order(view, 0)),
             "all": both}
 
 
@@ -150,36 +130,6 @@ def test_every_zoo_model_and_plan_kind_is_bitwise_equal(name, kind):
     _check_exact(name, kind)
 
 
-def _random_program(spec: list[str], width: int, seed: int):
-    """A loss over a random composition of matmuls, elementwise ops, reductions,
-    reshapes, broadcasts and residual branches, and its example arguments."""
-    n_w = sum(op in ("matmul", "residual") for op in spec)
-    keys = jax.random.split(jax.random.PRNGKey(seed), n_w + 1)
-    weights = [jax.random.normal(k, (width, width)) / width for k in keys[:n_w]]
-    x = jax.random.normal(keys[-1], (6, width))
-
-    def loss(ws, x):
-        ws = iter(ws)
-        for op in spec:
-            if op == "matmul":
-                x = x @ next(ws)
-            elif op == "residual":
-                x = x + jnp.tanh(x @ next(ws))
-            elif op == "elementwise":
-                x = jnp.sin(x) * x + 0.5
-            elif op == "reduce":
-                x = x - jnp.mean(x, axis=-1, keepdims=True)
-            elif op == "reshape":
-                x = x.reshape(-1, 2, width // 2).swapaxes(1, 2).reshape(-1, width) * 1.5
-            elif op == "broadcast":
-                x = x * jnp.mean(x, axis=0)[None, :]
-            elif op == "max":
-                x = x * jnp.max(x, axis=0)[None, :]
-        return jnp.sum(x ** 2)
-
-    return jax.grad(loss), (weights, x)
-
-
 # Plans whose barriers or host copies would sit inside a chain XLA's CPU simplifier
 # rewrites as a whole: (program, width, plan fields, the primitive producing the
 # first tensor the plan names). Each failed bitwise with the emitter before
@@ -210,7 +160,7 @@ CHAINS = {
 @pytest.mark.parametrize("seed", [0, 1])
 def test_ties_and_copies_leave_the_simplifiers_chains_alone(case, seed):
     spec, width, fields, primitive = CHAINS[case]
-    step, args = _random_program(spec, width, seed)
+    step, args = random_program(spec, width, seed)
     g = analyse(trace(step, *args), "cpu")
     named = next(iter(fields.get("offload") or fields["remat"]))
     assert g.ops[g.tensors[named].producer].primitive == primitive, "tensor ids moved"
@@ -223,7 +173,7 @@ def test_ties_and_copies_leave_the_simplifiers_chains_alone(case, seed):
     spec=st.lists(st.sampled_from(["matmul", "residual", "elementwise", "reduce", "reshape",
                                    "broadcast", "max"]), min_size=2, max_size=7),
     width=st.sampled_from([8, 16]), seed=st.integers(0, 2**16),
-    frac=st.floats(0.1, 1.0), mode=st.sampled_from(["greedy", "remat", "offload"]))
+    frac=st.floats(0.1, 1.0), mode=st.sampled_from(MODES))
 def test_random_programs_keep_their_arithmetic(spec, width, seed, frac, mode):
     """trace -> plan -> emit on random programs gives the plain program's bits on the CPU.
 
@@ -236,16 +186,10 @@ def test_random_programs_keep_their_arithmetic(spec, width, seed, frac, mode):
     few ulps, and these planners did not produce it in those 400 programs:
     :func:`test_reissued_tanh_with_its_residual_add_is_not_bitwise_equal`.
     """
-    step, args = _random_program(spec, width, seed)
+    step, args = random_program(spec, width, seed)
     reference = jax.jit(step)(*args)
     g = analyse(trace(step, *args), "cpu")
-    if mode == "greedy":
-        budget = int(frac * plan_lib.simulate_plan(g, plan_lib.unplanned(g)).peak_bytes)
-        plan = greedy.plan_greedy(g, max(budget, 1), CPU, {})
-    else:
-        plan = greedy.split_every(g, CPU, mode)
-        plan = plan.replace(order=_random_order(plan_lib.view(g), seed))
-    out = jax.jit(emit.emit(g, plan))(*args)
+    out = jax.jit(emit.emit(g, random_plan(g, mode, frac, seed)))(*args)
     # Random compositions can overflow: NaN compares equal to NaN at the same place.
     for x, y in zip(jax.tree_util.tree_leaves(reference), jax.tree_util.tree_leaves(out)):
         assert np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True), \
@@ -260,7 +204,7 @@ def test_random_programs_keep_their_arithmetic(spec, width, seed, frac, mode):
     "last bits of the gradients change. The emitter before the chain fix differed too."))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_reissued_tanh_with_its_residual_add_is_not_bitwise_equal(seed):
-    step, args = _random_program(["residual", "reshape", "residual", "elementwise",
+    step, args = random_program(["residual", "reshape", "residual", "elementwise",
                                   "elementwise"], 16, seed)
     g = analyse(trace(step, *args), "cpu")
     if [g.ops[g.tensors[t].producer].primitive for t in (12, 14)] != ["tanh", "add"]:
