@@ -191,11 +191,6 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
     seen: set[str] = set()
     overshoot = 0
 
-    def decisions_of(plan: plan_lib.Plan) -> str:
-        return plan.replace(planner="", budget_bytes=0, predicted_peak_bytes=0,
-                            predicted_time_s=None, status="ok", solve_time_s=0.0, notes=(),
-                            lower_bound=None, gap=None, bound_unit="bytes").to_json()
-
     def compile_round(plan: plan_lib.Plan, planner_budget: int) -> tuple[int, int]:
         jitted, compiled, dev, host = compile_plan(graph, plan, target, abstract_args,
                                                    donate_argnums, counters)
@@ -206,7 +201,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
     plain = plan_lib.unplanned(graph, planner=config.planner, budget_bytes=budget)
 
     def compile_plain(note: str) -> int:
-        seen.add(decisions_of(plain))
+        seen.add(plain.decisions())
         predicted = plan_lib.simulate_plan(graph, plain).peak_bytes
         return compile_round(plain.replace(predicted_peak_bytes=predicted, notes=(note,)),
                              budget)[0]
@@ -217,7 +212,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
                    else 0):
         plan = planner(graph, internal, cost_model, options)
         counters["plans"] = counters.get("plans", 0) + 1
-        decisions = decisions_of(plan)
+        decisions = plan.decisions()
         if decisions in seen:
             # Same decisions at a tighter budget: the planner's own estimate still says they fit.
             # Tighten again by the last overshoot (at least 1% of the budget) instead of giving up.
@@ -244,7 +239,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         internal = tighter
         if internal <= 0:
             break
-    if all(r.compiled_bytes > budget for r in rounds) and decisions_of(plain) not in seen:
+    if all(r.compiled_bytes > budget for r in rounds) and plain.decisions() not in seen:
         # The simulator can over-predict the step as written (XLA fuses or rematerializes
         # on its own, e.g. under jax.checkpoint policies): compile it once before giving up.
         dev = compile_plain("every plan compiled over the budget; the step as written (no "
@@ -255,7 +250,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
     ranking: tuple[str, ...] = ()
     if rounds[best].compiled_bytes <= budget and rounds[best].plan.alternatives:
         best, ranking = _rank_alternatives(best, rounds, built, budget, target, seen,
-                                           decisions_of, compile_round)
+                                           compile_round)
     chosen = rounds[best]
     notes = (*chosen.plan.notes, *ranking,
              f"verified on {target.name}: {chosen.compiled_bytes / _MiB:,.1f} MiB device + "
@@ -278,7 +273,6 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
 
 def _rank_alternatives(first: int, rounds: list[Round], built: list[tuple[Any, Any]],
                        budget: int, target: targets_lib.Target, seen: set[str],
-                       decisions_of: Callable[[plan_lib.Plan], str],
                        compile_round: Callable[[plan_lib.Plan, int], tuple[int, int]]
                        ) -> tuple[int, tuple[str, ...]]:
     """Compile the fitting round's alternatives; the index of the fastest round that fits.
@@ -291,7 +285,7 @@ def _rank_alternatives(first: int, rounds: list[Round], built: list[tuple[Any, A
     from jaxmem.measure import report  # jaxmem.measure is also the function of that name
 
     for alt in rounds[first].plan.alternatives:
-        decisions = decisions_of(alt)
+        decisions = alt.decisions()
         if decisions in seen:
             continue
         seen.add(decisions)

@@ -173,6 +173,14 @@ class Plan:
         """The plan as a JSON object (tensor ids become string keys)."""
         return json.dumps(self._as_dict(), sort_keys=True)
 
+    def decisions(self) -> str:
+        """The plan's decisions alone, as JSON: order, remat, offload, placement and block
+        decisions (equal for two plans that emit the same program, whatever their planner,
+        budget, predictions or notes)."""
+        data = self._as_dict()
+        return json.dumps({k: data[k] for k in ("order", "remat", "offload", "placement",
+                                                "block_decisions")}, sort_keys=True)
+
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         """Read a plan written by :meth:`to_json`.

@@ -345,17 +345,13 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
 def _alternatives(best: _Scored, fits: list[_Scored], budget_bytes: int, started: float,
                   notes: list[str]) -> tuple[plan_lib.Plan, ...]:
     """Other fitting candidates close to ``best`` in estimated time, fastest first."""
-    def decisions(plan: plan_lib.Plan) -> tuple[Any, ...]:
-        return (tuple(plan.order), sorted(plan.remat.items()), sorted(plan.offload.items()),
-                sorted(plan.placement.items()))
-
-    seen = [decisions(best.plan)]
+    seen = {best.plan.decisions()}
     out = []
     for s in sorted(fits, key=lambda s: (s.time_s, s.peak_bytes)):
-        key = decisions(s.plan)
+        key = s.plan.decisions()
         if key in seen or s.time_s > best.time_s * (1 + _ALTERNATIVE_RTOL):
             continue
-        seen.append(key)
+        seen.add(key)
         out.append(s.plan.replace(
             planner=NAME, budget_bytes=budget_bytes, predicted_peak_bytes=s.peak_bytes,
             predicted_time_s=s.time_s, status=f"fallback: {s.name} plan (an alternative)",

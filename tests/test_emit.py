@@ -85,6 +85,10 @@ def test_plan_round_trips_through_json_and_reads_in_a_terminal():
     assert plan_lib.Plan.from_json(json.dumps(older)).bound_unit == "bytes"
     with pytest.raises(ValueError, match="bound_unit"):
         plan.replace(bound_unit="MiB")
+    # Decisions ignore who planned, for what budget, with what predictions and notes.
+    assert plan.decisions() == plan.replace(planner="x", budget_bytes=1, notes=("n",),
+                                            predicted_time_s=9.0).decisions()
+    assert plan.decisions() != plan.replace(offload={}).decisions()
 
 
 def test_plan_rejects_bad_fields_with_clear_errors():
