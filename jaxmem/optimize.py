@@ -210,7 +210,8 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         compile_plain("the step as written, with its blocks' verified decision table")
     for _ in range(config.verify_rounds if not rounds or rounds[0].compiled_bytes > budget
                    else 0):
-        plan = planner(graph, internal, cost_model, options)
+        plan = planner(graph, internal, cost_model,
+                       {**options, "verify_budget_bytes": budget if internal < budget else None})
         counters["plans"] = counters.get("plans", 0) + 1
         decisions = plan.decisions()
         if decisions in seen:
@@ -229,7 +230,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
                     "device + %.1f MiB host on %s (budget %.1f MiB)", len(rounds),
                     internal / _MiB, plan.predicted_peak_bytes / _MiB, dev / _MiB, host / _MiB,
                     target.name, budget / _MiB)
-        if dev <= budget:
+        if dev <= budget or _alternative_fits(plan, internal, budget, seen, compile_round):
             break
         overshoot = dev - budget
         error = dev - plan.predicted_peak_bytes
@@ -248,7 +249,8 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
                     "(budget %.1f MiB)", dev / _MiB, target.name, budget / _MiB)
     best = min(range(len(rounds)), key=lambda i: rounds[i].compiled_bytes)
     ranking: tuple[str, ...] = ()
-    if rounds[best].compiled_bytes <= budget and rounds[best].plan.alternatives:
+    fitting = sum(r.compiled_bytes <= budget for r in rounds)
+    if fitting > 1 or (fitting and rounds[best].plan.alternatives):
         best, ranking = _rank_alternatives(best, rounds, built, budget, target, seen,
                                            compile_round)
     chosen = rounds[best]
@@ -269,6 +271,29 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         return plan, built[best][0], built[best][1], tuple(rounds)
     raise InfeasibleBudgetError(budget, chosen.compiled_bytes, chosen.compiled_bytes,
                                 detail=f"planner {config.planner!r} on {target.name}: {tried}")
+
+
+def _alternative_fits(plan: plan_lib.Plan, planner_budget: int, budget: int, seen: set[str],
+                      compile_round: Callable[[plan_lib.Plan, int], tuple[int, int]]) -> bool:
+    """Compile the alternatives of a plan that compiled over the budget; whether one fits.
+
+    The planner's estimate of its chosen plan can be the one that is wrong: a
+    close alternative (``Plan.alternatives``, which the simulator scores
+    differently) may fit as compiled, which costs one compile instead of a
+    re-plan at a tighter budget that trades speed for memory.
+    """
+    for alt in plan.alternatives:
+        decisions = alt.decisions()
+        if decisions in seen:
+            continue
+        seen.add(decisions)
+        dev, host = compile_round(alt, planner_budget)
+        logger.info("alternative %s: compiled %.1f MiB device + %.1f MiB host (budget %.1f MiB)",
+                    alt.notes[-1].removeprefix("alternative: ") if alt.notes else "?",
+                    dev / _MiB, host / _MiB, budget / _MiB)
+        if dev <= budget:
+            return True
+    return False
 
 
 def _rank_alternatives(first: int, rounds: list[Round], built: list[tuple[Any, Any]],

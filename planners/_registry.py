@@ -31,8 +31,11 @@ _ENTRIES: dict[str, Entry] = {}
 
 # Options ``jaxmem.Config.planner_options()`` passes to every planner. A planner
 # that has no use for one of them ignores it; other unknown options are errors.
+# ``verify_budget_bytes``: the budget as the user gave it, passed by the verify loop of
+# ``jaxmem.optimize`` when it re-plans under a tightened ``budget_bytes`` after a
+# compiled plan missed (the simulator's error differs from plan to plan).
 COMMON_OPTIONS = frozenset({"allow_remat", "allow_offload", "allow_reorder", "allow_state_offload",
-                            "host_budget_bytes", "time_limit_s", "seed"})
+                            "host_budget_bytes", "time_limit_s", "seed", "verify_budget_bytes"})
 
 # Peers: the stock JAX checkpoint policies and MaxText-style presets (DESIGN.md §6).
 _PEERS = {

@@ -507,3 +507,22 @@ def test_cpsat_does_not_abort_the_process_on_the_tiny_mlp_train_step():
                           timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "STATUS" in done.stdout
+
+
+def test_a_replan_hands_over_a_candidate_that_fits_the_budget_as_given():
+    """Re-planned under a budget tightened below every candidate's simulated peak, cpsat
+    also offers the fastest candidate that fits the budget as given
+    (``verify_budget_bytes``): the verify loop compiles it, since the simulator's
+    error that made the loop tighten differs from plan to plan."""
+    loss, ws, x = tiny_mlp(2)
+    g = build_graph(jax.grad(loss), ws, x)
+    given = unplanned_peak(g)
+    tight = 1024  # less than the parameters alone: nothing fits it
+    alone = plan_cpsat(g, tight, H100, FAST)
+    assert alone.status == "over_budget" and not alone.alternatives
+    plan = plan_cpsat(g, tight, H100, dict(FAST, verify_budget_bytes=given))
+    loose = [a for a in plan.alternatives if "within the budget as given" in a.notes[-1]]
+    assert len(loose) == 1
+    peak = plan_lib.simulate_plan(g, loose[0]).peak_bytes
+    assert loose[0].predicted_peak_bytes == peak and tight < peak <= given
+    assert loose[0].decisions() != plan.decisions()

@@ -289,3 +289,47 @@ def test_alternatives_are_compiled_and_the_fastest_fitting_plan_is_kept(monkeypa
     assert ranked and "alternative: nothing re-issued" in ranked[0]
     assert "alternatives" not in verified.plan.to_json()
     assert plan_lib.Plan.from_json(verified.plan.to_json()) == verified.plan
+
+
+def test_an_over_budget_rounds_alternative_is_compiled_before_tightening(monkeypatch):
+    """A plan that compiles over the budget hands its alternatives to the verify loop.
+
+    The fake planner's plan re-issues everything and its first compile is charged
+    1 MiB over the budget; its alternative (nothing re-issued) is compiled next, in
+    the same round, and fits, so the loop stops without re-planning. A re-plan
+    would have passed the budget as given (``verify_budget_bytes``) along.
+    """
+    import sys
+
+    from jaxmem import plan as plan_lib
+    from jaxmem.planners import _registry, greedy
+
+    optimize_lib = sys.modules["jaxmem.optimize"]
+    real, calls, seen = optimize_lib.device_bytes, [], []
+
+    def charged(compiled):
+        dev, host = real(compiled)
+        calls.append(dev)
+        return dev + ((1 << 20) if len(calls) == 1 else 0), host
+
+    def planner(g, budget, cost_model, options):
+        seen.append(options.get("verify_budget_bytes"))
+        everything = greedy.split_every(g, cost_model, "remat")
+        nothing = plan_lib.unplanned(g).replace(notes=("alternative: nothing re-issued",))
+        return everything.replace(planner="misses_first", budget_bytes=budget,
+                                  alternatives=(nothing,))
+
+    monkeypatch.setattr(optimize_lib, "device_bytes", charged)
+    monkeypatch.setitem(_registry._ENTRIES, "misses_first", _registry.Entry(
+        name="misses_first", kind="planner", doc="test", fn=planner))
+    params, x = _mlp_args()
+    plain = real(jax.jit(jax.grad(_mlp_loss)).lower(params, x).compile(
+        compiler_options=jaxmem.targets.get("cpu").compiler_options))[0]
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+        budget=plain, target="cpu", planner="misses_first", verify_rounds=3))
+    verified = step.verified(params, x)
+    rounds = verified.rounds
+    assert seen == [None]  # planned once, at the budget as given
+    assert len(rounds) == 2 and rounds[0].compiled_bytes > plain >= rounds[1].compiled_bytes
+    assert verified.plan.status == "ok" and not verified.plan.remat
+    assert _same(step(params, x), jax.jit(jax.grad(_mlp_loss))(params, x))
