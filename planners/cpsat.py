@@ -37,8 +37,10 @@ How it runs, within ``time_limit_s``:
    :func:`jaxmem.optimize` compiles them and keeps the fastest by compiled time.
    When the verify loop re-plans under a tightened budget (``verify_budget_bytes``
    is the budget as given), the fastest candidate that fits the budget as given
-   under the simulator goes along too: the tightening assumes every plan is
-   under-predicted as much as the one that missed, which is often not so.
+   under the simulator goes along too (the tightening assumes every plan is
+   under-predicted as much as the one that missed, which is often not so); and
+   when no candidate fits, the lowest-peak other one without offloads simulated
+   within 20% over the budget as given (the simulator over-predicts some plans).
 
 ``lower_bound`` and ``gap`` are the solver's, on its objective: the step time
 (seconds) of the coarse model, whose durations are rounded up to ticks.
@@ -109,6 +111,8 @@ _TIME_RTOL = 1e-9
 # loop as Plan.alternatives (at most _ALTERNATIVES), to be ranked by compiled time.
 _ALTERNATIVE_RTOL = 0.10
 _ALTERNATIVES = 2
+# A re-plan hands over a candidate simulated at most this share over the budget as given.
+_OVER_PREDICTION = 0.20
 _DECISION_FRACTION = 2000
 
 _BAD_OPTION = ("cpsat: unknown option {key!r} (value {value!r}); allowed: {allowed}. Fix: drop it "
@@ -337,9 +341,11 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
     for s in ([solver] if solver else []) + heur:
         notes.append(f"candidate {s.name}: simulated peak {s.peak_bytes:,} B, estimated "
                      f"{s.time_s:.4g} s")
-    loose = [s for s in ([solver] if solver else []) + heur if verify_budget_bytes is not None
-             and budget_bytes < s.peak_bytes <= int(verify_budget_bytes)]
-    alternatives = _alternatives(best, fits, budget_bytes, started, notes, loose)
+    loose = _loose([s for s in ([solver] if solver else []) + heur
+                    if s.plan.decisions() != best.plan.decisions()],
+                   budget_bytes, verify_budget_bytes, not fits)
+    alternatives = _alternatives(best, fits, budget_bytes, started, notes, loose,
+                                 verify_budget_bytes)
     if alternatives:
         notes.append("alternatives for the verify loop to compile: " + ", ".join(
             a.notes[-1].removeprefix("alternative: ") for a in alternatives))
@@ -351,10 +357,30 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
         bound_unit="s", notes=tuple(notes))
 
 
+def _loose(pool: list[_Scored], budget_bytes: int, given: int | None,
+           nothing_fits: bool) -> list[_Scored]:
+    """A candidate over ``budget_bytes`` worth one compile (``given``: the budget as the
+    user gave it, when the verify loop tightened ``budget_bytes``): the fastest that
+    fits ``given`` under the simulator; else, when nothing fits, the lowest-peak one
+    without offloads within ``_OVER_PREDICTION`` of it (the simulator over-predicts
+    some remat plans: XLA fuses and reuses buffers it does not model)."""
+    given = budget_bytes if given is None else int(given)
+    over = [s for s in pool if s.peak_bytes > budget_bytes]
+    within = [s for s in over if s.peak_bytes <= given]
+    if within:
+        return [min(within, key=lambda s: (s.time_s, s.peak_bytes))]
+    # Only plans without offloads: XLA's copies and their waits make those compile
+    # larger than simulated, never smaller (unet bench: 6.5 GB simulated, 9.8 GB compiled).
+    near = [s for s in over if s.peak_bytes <= given * (1 + _OVER_PREDICTION)
+            and not s.plan.offload]
+    return [min(near, key=lambda s: (s.peak_bytes, s.time_s))] if near and nothing_fits else []
+
+
 def _alternatives(best: _Scored, fits: list[_Scored], budget_bytes: int, started: float,
-                  notes: list[str], loose: list[_Scored] = ()) -> tuple[plan_lib.Plan, ...]:
+                  notes: list[str], loose: list[_Scored] = (), given: int | None = None
+                  ) -> tuple[plan_lib.Plan, ...]:
     """Other fitting candidates close to ``best`` in estimated time, fastest first; then
-    the fastest of ``loose`` (over ``budget_bytes``, within the budget as given)."""
+    ``loose`` (see :func:`_loose`; ``given`` is the budget as given)."""
     seen = {best.plan.decisions()}
     out = []
 
@@ -373,10 +399,10 @@ def _alternatives(best: _Scored, fits: list[_Scored], budget_bytes: int, started
             break
         if s.plan.decisions() not in seen and s.time_s <= best.time_s * (1 + _ALTERNATIVE_RTOL):
             add(s, "")
-    for s in sorted(loose, key=lambda s: (s.time_s, s.peak_bytes)):
+    for s in loose:
         if s.plan.decisions() not in seen:
-            add(s, "; over the tightened budget, within the budget as given")
-            break
+            add(s, "; within the budget as given" if s.peak_bytes <= (given or budget_bytes)
+                else "; simulated over the budget, within 20%: worth a compile")
     return tuple(out)
 
 
