@@ -22,6 +22,7 @@ from jaxmem.planners._registry import register_module as _register_module  # noq
 _register_module("greedy", "jaxmem.planners.greedy")
 _register_module("sublinear", "jaxmem.planners.sublinear")
 _register_module("chen", "jaxmem.planners.sublinear")
+_register_module("keep_matmuls", "jaxmem.planners.matmuls")
 _register_module("vdnn_all", "jaxmem.planners.vdnn")
 _register_module("vdnn_conv", "jaxmem.planners.vdnn")
 _register_module("vdnn_dynamic", "jaxmem.planners.vdnn")

@@ -470,7 +470,7 @@ def test_random_programs_feasible_and_never_worse_than_baselines(spec, fraction)
     assert plan.predicted_peak_bytes == sim
     assert (plan.status == "over_budget") == (sim > budget)
     mine = estimate_time_s(g, plan, H100)
-    for name in ("greedy", "chen", "sublinear"):
+    for name in ("greedy", "chen", "sublinear", "keep_matmuls"):
         base = get(name).fn(g, budget, H100, {})
         if plan_lib.simulate_plan(g, base).peak_bytes <= budget:
             assert sim <= budget

@@ -1,0 +1,69 @@
+"""``keep_matmuls``: matmul residuals kept, the rest recomputed without a matmul, exactly."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem.models as zoo
+import jaxmem.planners as registry
+from jaxmem import emit as emit_lib
+from jaxmem import plan as plan_lib
+from jaxmem.costmodel import CostModel
+from jaxmem.graph import build_graph
+from jaxmem.planners.matmuls import MATMUL_PRIMITIVES
+from jaxmem.planners.sublinear import find_residuals
+
+COST = CostModel.for_target("h100")
+
+
+def _layers_loss(ws, x):
+    for w in ws:
+        x = x + jnp.sin(x @ w) @ w.T  # sin reads x @ w in the backward: a residual
+    return jnp.sum(x ** 2)
+
+
+def _graph():
+    ws = [jnp.full((64, 64), 0.01 * (i + 1)) for i in range(3)]
+    return build_graph(jax.grad(_layers_loss), ws, jnp.ones((128, 64)))
+
+
+def _producer(g, t):
+    return g.ops[g.tensors[t].producer].primitive
+
+
+def test_registered_and_refuses_unknown_options():
+    assert "keep_matmuls" in registry.planners()
+    with pytest.raises(ValueError, match="unknown option"):
+        registry.get("keep_matmuls").fn(_graph(), 10**9, COST, {"segments": 2})
+
+
+def test_recomputes_the_elementwise_residuals_and_keeps_the_matmuls_and_the_stream():
+    g = _graph()
+    plan = registry.get("keep_matmuls").fn(g, 10**9, COST, {})
+    res = find_residuals(g)
+    recomputed = set(plan.remat)
+    assert recomputed and {_producer(g, t) for t in recomputed} == {"sin"}
+    # no matmul is re-issued, and the residual stream (the adds) stays
+    assert not any(_producer(g, t) in MATMUL_PRIMITIVES for t in recomputed)
+    assert all(t not in recomputed for t in res.tensors if _producer(g, t) == "add")
+    plain = plan_lib.simulate_plan(g, plan_lib.unplanned(g)).peak_bytes
+    assert plan.predicted_peak_bytes == plan_lib.simulate_plan(g, plan).peak_bytes < plain
+    assert plan.status == "ok"
+    assert registry.get("keep_matmuls").fn(g, 1024, COST, {}).status == "over_budget"
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt2"])
+def test_emitted_plan_is_bitwise_equal_on_the_cpu(model):
+    zs = zoo.build(model, "tiny", step="train")
+    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
+                    target="cpu")
+    plan = registry.get("keep_matmuls").fn(g, 10**9, CostModel.for_target("cpu"), {})
+    assert plan.remat
+    inputs = zs.make_args(seed=0)
+    want = jax.tree_util.tree_leaves(jax.jit(zs.fn)(*inputs))
+    got = jax.tree_util.tree_leaves(jax.jit(emit_lib.emit(g, plan))(*inputs))
+    assert len(want) == len(got)
+    assert all(np.array_equal(a, b) for a, b in zip(want, got))
