@@ -18,7 +18,7 @@ import dataclasses
 import types
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
-from jaxmem.view import View, check_order, view
+from jaxmem.view import REDUCTIONS, View, check_order, view
 
 if TYPE_CHECKING:
     from jaxmem import simulate
@@ -191,13 +191,24 @@ class Schedule:
         return steps
 
 
+# Whether a fused value computed from an older copy of a buffer is computed again
+# from the copy a re-issue tied (see build_schedule); off reproduces the schedules
+# before that rule (for comparisons).
+REFRESH_STALE_FUSED = True
+
+
 def build_schedule(graph_or_view: Any, plan: Plan) -> Schedule:
     """Unroll ``plan`` into a :class:`Schedule` (the emitter and the simulator both read it).
 
     Consumers read the newest version of each input. An unmaterialized input
     (a value XLA fuses into its consumer) whose materialized roots have newer
     copies is re-issued from them first (a ``"fused"`` event), so no consumer
-    keeps an old device copy alive through a fused chain.
+    keeps an old device copy alive through a fused chain. The same holds after
+    a re-issue reads a buffer (the emitter ties it there, and later readers get
+    the tied copy): a fused value computed from the buffer before is computed
+    again from the tie (``REFRESH_STALE_FUSED``), when its chain is 32-bit and
+    its reader does not feed a reduction or a 16-bit value (XLA:CPU's bits would
+    change there).
 
     Raises:
       ValueError: if the plan does not fit the program (see :func:`check_plan`).
@@ -239,18 +250,69 @@ def build_schedule(graph_or_view: Any, plan: Plan) -> Schedule:
         for t_out, w in zip(v.out_slots[ev.op] if ev.op is not None else (), ev.writes):
             if w is not None and not real[t_out]:
                 roots[w] = frozenset().union(*(roots_of(r) for r in ev.reads if r is not None))
+                made_at[w] = len(events)
 
-    def resolve(t: int, at: int, memo: dict[int, frozenset[int]], late: bool = False) -> int:
+    # A buffer a re-issue reads is tied at the re-issue's point (the emitter passes it
+    # through a barrier, and later readers get that copy). A fused value computed
+    # from its earlier copy is stale after that: a reader that also reads values
+    # re-issued from the new copy would need both copies, and XLA then keeps the
+    # fused value as a buffer instead of recomputing it in its reader. So a stale
+    # fused input is computed again, from the new copy.
+    tied_at: dict[int, int] = {}
+    made_at: dict[int, int] = {}
+
+    # Only chains computed in 32 bits or more: XLA may compute a fused chain of 16-bit
+    # values without rounding between its ops (excess precision), so where such a
+    # value is computed changes its bits.
+    wide: dict[int, bool] = {}
+
+    def wide_chain(t: int) -> bool:
+        if real[t]:
+            return True
+        if t not in wide:
+            wide[t] = (t < len(v.itemsize) and v.itemsize[t] >= 4 and all(
+                wide_chain(u) for u in v.inputs_of(v.producer[t])))  # type: ignore[arg-type]
+        return wide[t]
+
+    # Nor for an op whose fused output flows into a reduction or a 16-bit value: that
+    # fusion would change, and XLA's CPU backend may then sum in another order or
+    # round elsewhere.
+    readers: dict[int, list[int]] = {}
+    for k, slots in enumerate(v.in_slots):
+        for t in slots:
+            if t is not None:
+                readers.setdefault(t, []).append(k)
+    touchy: dict[int, bool] = {}
+
+    def sensitive(op: int) -> bool:
+        if op not in touchy:
+            touchy[op] = False  # (cycle guard; the program is a DAG)
+            touchy[op] = v.primitives[op] in REDUCTIONS or any(
+                v.itemsize[t] < 4 or any(sensitive(k) for k in readers.get(t, ()))
+                for t in v.out_slots[op] if t is not None and not real[t])
+        return touchy[op]
+
+    def stale(version: int, reader: int) -> bool:
+        if not REFRESH_STALE_FUSED:
+            return False
+        made = made_at.get(version, -1)
+        return (any(tied_at.get(r, -1) > made for r in roots_of(version))
+                and wide_chain(tensor_of.get(version, version)) and not sensitive(reader))
+
+    def resolve(t: int, at: int, memo: dict[int, frozenset[int]], late: bool = False,
+                reader: int | None = None) -> int:
         # ``late``: the read is by a re-issue, so a fused input is recomputed there
         # too (from the newest roots) rather than read from its first computation.
         version = cur[t]
         if real[t] or (roots.get(version) == wanted(t, memo) and
-                       not (late and version not in made_at_point)):
+                       not (late and version not in made_at_point) and
+                       (version in made_at_point or reader is None
+                        or not stale(version, reader))):
             return version
         p = v.producer[t]
         if not v.reissuable[p]:  # type: ignore[index]
             return version
-        reads = tuple(None if u is None else resolve(u, at, memo, late)
+        reads = tuple(None if u is None else resolve(u, at, memo, late, reader)
                       for u in v.in_slots[p])  # type: ignore[index]
         new = fresh(t)
         writes = tuple(new if o == t else None for o in v.out_slots[p])  # type: ignore[index]
@@ -263,6 +325,7 @@ def build_schedule(graph_or_view: Any, plan: Plan) -> Schedule:
     for c in plan.order:
         memo: dict[int, frozenset[int]] = {}
         made_at_point.clear()
+        first_here = len(events)
         for t in sorted(prefetch_at.get(c, ())):
             new = fresh(t)
             events.append(Event("prefetch", None, c, (t,), (), (new,)))
@@ -277,7 +340,13 @@ def build_schedule(graph_or_view: Any, plan: Plan) -> Schedule:
             for t, new in news.items():
                 cur[t] = new
             memo = {}
-        reads = tuple(None if u is None else resolve(u, c, memo) for u in v.in_slots[c])
+        for ev in events[first_here:]:
+            if ev.kind in ("remat", "fused"):
+                for r in ev.reads:
+                    if r is not None and r not in made_at_point and r not in roots:
+                        tied_at[r] = len(events)
+        reads = tuple(None if u is None else resolve(u, c, memo, reader=c)
+                      for u in v.in_slots[c])
         record(Event("op", c, c, (), reads, v.out_slots[c]))
         for t in v.out_slots[c]:
             if t is not None and t in plan.offload:

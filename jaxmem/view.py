@@ -65,6 +65,7 @@ class View:
       primitives: per op, its primitive's name.
       buffer_reads: per op, the materialized tensors it really reads (a fused
         input stands for the buffers it is computed from).
+      itemsize: per tensor, the bytes of one element (0 for constants).
     """
 
     n_inputs: int
@@ -79,6 +80,7 @@ class View:
     phases: tuple[str, ...]
     primitives: tuple[str, ...] = ()
     buffer_reads: tuple[tuple[int, ...], ...] = ()
+    itemsize: tuple[int, ...] = ()
 
     @property
     def n_tensors(self) -> int:
@@ -121,6 +123,7 @@ def _build_view(obj: Any) -> View:
     consts = set(jaxpr.constvars)
     nbytes = [int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
               for v in jaxpr.invars]
+    itemsize = [_itemsize(v.aval) for v in jaxpr.invars]
     producer: list[int | None] = [None] * len(jaxpr.invars)
     in_slots, out_slots, reissuable = [], [], []
     for k, eqn in enumerate(jaxpr.eqns):
@@ -136,12 +139,14 @@ def _build_view(obj: Any) -> View:
             aval = v.aval
             size = int(np.prod(getattr(aval, "shape", ()), dtype=np.int64))
             nbytes.append(size * np.dtype(aval.dtype).itemsize if hasattr(aval, "dtype") else 0)
+            itemsize.append(_itemsize(aval))
             producer.append(k)
         out_slots.append(tuple(outs))
         reissuable.append(not eqn.effects and eqn.primitive.name not in NEVER_REISSUED)
     for c in jaxpr.constvars:  # constants come last (read from the closure, never scheduled)
         ids[c] = len(nbytes)
         nbytes.append(0)
+        itemsize.append(0)
         producer.append(None)
     materialized = [True] * len(nbytes)
     if graph is not None:
@@ -181,7 +186,16 @@ def _build_view(obj: Any) -> View:
                 outputs=outputs, donated=donated, reissuable=tuple(reissuable),
                 phases=tuple(program.phases),
                 primitives=tuple(e.primitive.name for e in jaxpr.eqns),
-                buffer_reads=tuple(buffer_reads))
+                buffer_reads=tuple(buffer_reads), itemsize=tuple(itemsize))
+
+
+def _itemsize(aval: Any) -> int:
+    import numpy as np
+
+    try:
+        return int(np.dtype(aval.dtype).itemsize)
+    except (AttributeError, TypeError):  # no dtype, or an extended one (PRNG keys)
+        return 0
 
 
 def check_order(v: View, order: Sequence[int]) -> None:
