@@ -225,6 +225,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
                 break
             continue
         seen.add(decisions)
+        first = len(rounds)
         dev, host = compile_round(plan, internal)
         logger.info("round %d: planner budget %.1f MiB, predicted %.1f MiB, compiled %.1f MiB "
                     "device + %.1f MiB host on %s (budget %.1f MiB)", len(rounds),
@@ -232,8 +233,12 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
                     target.name, budget / _MiB)
         if dev <= budget or _alternative_fits(plan, internal, budget, seen, compile_round):
             break
+        # Tighten by the plan of this round that came closest (an alternative may have):
+        # the planner's chosen plan can be the one the simulator misjudges most.
+        closest = min(rounds[first:], key=lambda r: r.compiled_bytes)
+        dev = closest.compiled_bytes
         overshoot = dev - budget
-        error = dev - plan.predicted_peak_bytes
+        error = dev - closest.plan.predicted_peak_bytes
         tighter = budget - error if error > 0 else internal - (dev - budget)
         if tighter >= internal:
             tighter = internal - (dev - budget)

@@ -333,3 +333,48 @@ def test_an_over_budget_rounds_alternative_is_compiled_before_tightening(monkeyp
     assert len(rounds) == 2 and rounds[0].compiled_bytes > plain >= rounds[1].compiled_bytes
     assert verified.plan.status == "ok" and not verified.plan.remat
     assert _same(step(params, x), jax.jit(jax.grad(_mlp_loss))(params, x))
+
+
+def test_the_loop_tightens_by_the_plan_of_the_round_that_came_closest(monkeypatch):
+    """Both the planner's plan and its alternative compile over the budget; the next
+    planning budget is set by the alternative, which came closer (1,000 bytes over),
+    not by the chosen plan's larger miss."""
+    import sys
+
+    from jaxmem import plan as plan_lib
+    from jaxmem.planners import _registry, greedy
+
+    optimize_lib = sys.modules["jaxmem.optimize"]
+    real, calls, budgets = optimize_lib.device_bytes, [], []
+
+    def charged(compiled):
+        dev, host = real(compiled)
+        calls.append(dev)
+        return dev + (8000 if len(calls) == 1 else 1000), host
+
+    def planner(g, budget, cost_model, options):
+        budgets.append(budget)
+        everything = greedy.split_every(g, cost_model, "remat")
+        nothing = plan_lib.unplanned(g)
+        nothing = nothing.replace(notes=("alternative: nothing re-issued",),
+                                  predicted_peak_bytes=plan_lib.simulate_plan(g, nothing).peak_bytes)
+        return everything.replace(planner="two_misses", budget_bytes=budget,
+                                  alternatives=(nothing,))
+
+    monkeypatch.setattr(optimize_lib, "device_bytes", charged)
+    monkeypatch.setitem(_registry._ENTRIES, "two_misses", _registry.Entry(
+        name="two_misses", kind="planner", doc="test", fn=planner))
+    params, x = _mlp_args()
+    plain = real(jax.jit(jax.grad(_mlp_loss)).lower(params, x).compile(
+        compiler_options=jaxmem.targets.get("cpu").compiler_options))[0]
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+        budget=plain, target="cpu", planner="two_misses", verify_rounds=2,
+        on_over_budget="warn"))
+    rounds = step.verified(params, x).rounds
+    chosen, alternative = rounds[0], rounds[1]
+    assert chosen.compiled_bytes > alternative.compiled_bytes == plain + 1000
+    error = alternative.compiled_bytes - alternative.plan.predicted_peak_bytes
+    expected = plain - error if error > 0 else plain - (alternative.compiled_bytes - plain)
+    if expected >= plain:
+        expected = plain - (alternative.compiled_bytes - plain)
+    assert budgets[:2] == [plain, expected]
