@@ -51,6 +51,9 @@ from jaxmem.errors import InfeasibleBudgetError
 logger = logging.getLogger(__name__)
 
 _MiB = float(1 << 20)
+# A plan whose offloads compile this share over its simulated peak makes the verify
+# loop plan its later rounds without offloads (planners that honour allow_offload).
+_OFFLOAD_MISS = 0.25
 
 _UNHASHABLE = (
     "static argument {where} of {name} is a {kind}, which is not hashable; jaxmem caches one "
@@ -179,6 +182,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
     """
     from jaxmem import planners
     from jaxmem.costmodel import CostModel
+    from jaxmem.planners import _registry as registry
 
     counters = counters if counters is not None else {}
     planner = planners.get(config.planner).fn
@@ -233,6 +237,14 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
                     target.name, budget / _MiB)
         if dev <= budget or _alternative_fits(plan, internal, budget, seen, compile_round):
             break
+        if (plan.offload and options["allow_offload"] and config.planner in registry.HONOURS_ALLOW
+                and dev > (1 + _OFFLOAD_MISS) * plan.predicted_peak_bytes):
+            # XLA kept far more on the device than the simulator expects of these copies
+            # (prefetches scheduled early, say): plan the next rounds without offloads.
+            options = {**options, "allow_offload": False}
+            logger.warning("round %d: the plan's offloads compiled to %.1f MiB against %.1f MiB "
+                           "simulated; planning the next rounds without offloads",
+                           len(rounds), dev / _MiB, plan.predicted_peak_bytes / _MiB)
         # Tighten by the plan of this round that came closest (an alternative may have):
         # the planner's chosen plan can be the one the simulator misjudges most.
         closest = min(rounds[first:], key=lambda r: r.compiled_bytes)

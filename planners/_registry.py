@@ -36,6 +36,9 @@ _ENTRIES: dict[str, Entry] = {}
 # compiled plan missed (the simulator's error differs from plan to plan).
 COMMON_OPTIONS = frozenset({"allow_remat", "allow_offload", "allow_reorder", "allow_state_offload",
                             "host_budget_bytes", "time_limit_s", "seed", "verify_budget_bytes"})
+# Planners that obey every allow_* option (others refuse an allow_<kind>=False for a
+# kind of decision they always make).
+HONOURS_ALLOW = frozenset({"greedy", "cpsat"})
 
 # Peers: the stock JAX checkpoint policies and MaxText-style presets (DESIGN.md §6).
 _PEERS = {

@@ -378,3 +378,43 @@ def test_the_loop_tightens_by_the_plan_of_the_round_that_came_closest(monkeypatc
     if expected >= plain:
         expected = plain - (alternative.compiled_bytes - plain)
     assert budgets[:2] == [plain, expected]
+
+
+def test_offloads_that_compile_far_over_the_simulation_are_dropped_in_later_rounds(
+        monkeypatch, caplog):
+    """A planner that honours allow_offload plans again without offloads once a plan's
+    offloads compiled more than 25% over its simulated peak (here: charged to just over
+    a budget of ten times the unplanned step)."""
+    import logging
+    import sys
+
+    from jaxmem import plan as plan_lib
+    from jaxmem.planners import _registry, greedy
+
+    optimize_lib = sys.modules["jaxmem.optimize"]
+    real, seen = optimize_lib.device_bytes, []
+
+    def charged(compiled):
+        dev, host = real(compiled)
+        return (budget + 1000 if len(seen) == 1 else dev), host
+
+    def planner(g, budget, cost_model, options):
+        seen.append(options["allow_offload"])
+        kind = "offload" if options["allow_offload"] else "remat"
+        plan = greedy.split_every(g, cost_model, kind)
+        return plan.replace(planner="greedy", budget_bytes=budget, predicted_peak_bytes=(
+            plan_lib.simulate_plan(g, plan).peak_bytes))
+
+    monkeypatch.setattr(optimize_lib, "device_bytes", charged)
+    monkeypatch.setitem(_registry._ENTRIES, "greedy", _registry.Entry(
+        name="greedy", kind="planner", doc="test", fn=planner))
+    params, x = _mlp_args()
+    budget = 10 * real(jax.jit(jax.grad(_mlp_loss)).lower(params, x).compile(
+        compiler_options=jaxmem.targets.get("cpu").compiler_options))[0]
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+        budget=budget, target="cpu", planner="greedy", verify_rounds=2, on_over_budget="warn"))
+    with caplog.at_level(logging.WARNING, logger="jaxmem.optimize"):
+        verified = step.verified(params, x)
+    assert seen == [True, False]
+    assert verified.rounds[0].plan.offload and not verified.rounds[1].plan.offload
+    assert any("without offloads" in r.message for r in caplog.records)
