@@ -240,11 +240,14 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         if (plan.offload and options["allow_offload"] and config.planner in registry.HONOURS_ALLOW
                 and dev > (1 + _OFFLOAD_MISS) * plan.predicted_peak_bytes):
             # XLA kept far more on the device than the simulator expects of these copies
-            # (prefetches scheduled early, say): plan the next rounds without offloads.
+            # (prefetches scheduled early, say): plan the next rounds without offloads, at
+            # the same budget (this miss says nothing about the simulator's remat plans).
             options = {**options, "allow_offload": False}
             logger.warning("round %d: the plan's offloads compiled to %.1f MiB against %.1f MiB "
                            "simulated; planning the next rounds without offloads",
                            len(rounds), dev / _MiB, plan.predicted_peak_bytes / _MiB)
+            if all(r.plan.offload for r in rounds[first:]):
+                continue
         # Tighten by the plan of this round that came closest (an alternative may have):
         # the planner's chosen plan can be the one the simulator misjudges most.
         closest = min(rounds[first:], key=lambda r: r.compiled_bytes)
