@@ -291,6 +291,30 @@ def test_alternatives_are_compiled_and_the_fastest_fitting_plan_is_kept(monkeypa
     assert plan_lib.Plan.from_json(verified.plan.to_json()) == verified.plan
 
 
+def _charge(monkeypatch, charge):
+    """Make the verify loop see ``charge(n, dev)`` device bytes for its n-th compile
+    (n from 1); returns the real ``device_bytes``."""
+    import sys
+
+    optimize_lib = sys.modules["jaxmem.optimize"]  # the module: jaxmem.optimize is the decorator
+    real, calls = optimize_lib.device_bytes, []
+
+    def charged(compiled):
+        dev, host = real(compiled)
+        calls.append(dev)
+        return charge(len(calls), dev), host
+
+    monkeypatch.setattr(optimize_lib, "device_bytes", charged)
+    return real
+
+
+def _use_planner(monkeypatch, name, fn):
+    from jaxmem.planners import _registry
+
+    monkeypatch.setitem(_registry._ENTRIES, name, _registry.Entry(
+        name=name, kind="planner", doc="test", fn=fn))
+
+
 def test_an_over_budget_rounds_alternative_is_compiled_before_tightening(monkeypatch):
     """A plan that compiles over the budget hands its alternatives to the verify loop.
 
@@ -299,18 +323,11 @@ def test_an_over_budget_rounds_alternative_is_compiled_before_tightening(monkeyp
     the same round, and fits, so the loop stops without re-planning. A re-plan
     would have passed the budget as given (``verify_budget_bytes``) along.
     """
-    import sys
-
     from jaxmem import plan as plan_lib
-    from jaxmem.planners import _registry, greedy
+    from jaxmem.planners import greedy
 
-    optimize_lib = sys.modules["jaxmem.optimize"]
-    real, calls, seen = optimize_lib.device_bytes, [], []
-
-    def charged(compiled):
-        dev, host = real(compiled)
-        calls.append(dev)
-        return dev + ((1 << 20) if len(calls) == 1 else 0), host
+    seen = []
+    real = _charge(monkeypatch, lambda n, dev: dev + ((1 << 20) if n == 1 else 0))
 
     def planner(g, budget, cost_model, options):
         seen.append(options.get("verify_budget_bytes"))
@@ -319,9 +336,7 @@ def test_an_over_budget_rounds_alternative_is_compiled_before_tightening(monkeyp
         return everything.replace(planner="misses_first", budget_bytes=budget,
                                   alternatives=(nothing,))
 
-    monkeypatch.setattr(optimize_lib, "device_bytes", charged)
-    monkeypatch.setitem(_registry._ENTRIES, "misses_first", _registry.Entry(
-        name="misses_first", kind="planner", doc="test", fn=planner))
+    _use_planner(monkeypatch, "misses_first", planner)
     params, x = _mlp_args()
     plain = real(jax.jit(jax.grad(_mlp_loss)).lower(params, x).compile(
         compiler_options=jaxmem.targets.get("cpu").compiler_options))[0]
@@ -339,18 +354,11 @@ def test_the_loop_tightens_by_the_plan_of_the_round_that_came_closest(monkeypatc
     """Both the planner's plan and its alternative compile over the budget; the next
     planning budget is set by the alternative, which came closer (1,000 bytes over),
     not by the chosen plan's larger miss."""
-    import sys
-
     from jaxmem import plan as plan_lib
-    from jaxmem.planners import _registry, greedy
+    from jaxmem.planners import greedy
 
-    optimize_lib = sys.modules["jaxmem.optimize"]
-    real, calls, budgets = optimize_lib.device_bytes, [], []
-
-    def charged(compiled):
-        dev, host = real(compiled)
-        calls.append(dev)
-        return dev + (8000 if len(calls) == 1 else 1000), host
+    budgets = []
+    real = _charge(monkeypatch, lambda n, dev: dev + (8000 if n == 1 else 1000))
 
     def planner(g, budget, cost_model, options):
         budgets.append(budget)
@@ -361,9 +369,7 @@ def test_the_loop_tightens_by_the_plan_of_the_round_that_came_closest(monkeypatc
         return everything.replace(planner="two_misses", budget_bytes=budget,
                                   alternatives=(nothing,))
 
-    monkeypatch.setattr(optimize_lib, "device_bytes", charged)
-    monkeypatch.setitem(_registry._ENTRIES, "two_misses", _registry.Entry(
-        name="two_misses", kind="planner", doc="test", fn=planner))
+    _use_planner(monkeypatch, "two_misses", planner)
     params, x = _mlp_args()
     plain = real(jax.jit(jax.grad(_mlp_loss)).lower(params, x).compile(
         compiler_options=jaxmem.targets.get("cpu").compiler_options))[0]
@@ -386,17 +392,12 @@ def test_offloads_that_compile_far_over_the_simulation_are_dropped_in_later_roun
     offloads compiled more than 25% over its simulated peak (here: charged to just over
     a budget of ten times the unplanned step)."""
     import logging
-    import sys
 
     from jaxmem import plan as plan_lib
-    from jaxmem.planners import _registry, greedy
+    from jaxmem.planners import greedy
 
-    optimize_lib = sys.modules["jaxmem.optimize"]
-    real, seen = optimize_lib.device_bytes, []
-
-    def charged(compiled):
-        dev, host = real(compiled)
-        return (budget + 1000 if len(seen) == 1 else dev), host
+    seen = []
+    real = _charge(monkeypatch, lambda n, dev: budget + 1000 if len(seen) == 1 else dev)
 
     def planner(g, budget, cost_model, options):
         seen.append(options["allow_offload"])
@@ -405,9 +406,7 @@ def test_offloads_that_compile_far_over_the_simulation_are_dropped_in_later_roun
         return plan.replace(planner="greedy", budget_bytes=budget, predicted_peak_bytes=(
             plan_lib.simulate_plan(g, plan).peak_bytes))
 
-    monkeypatch.setattr(optimize_lib, "device_bytes", charged)
-    monkeypatch.setitem(_registry._ENTRIES, "greedy", _registry.Entry(
-        name="greedy", kind="planner", doc="test", fn=planner))
+    _use_planner(monkeypatch, "greedy", planner)
     params, x = _mlp_args()
     budget = 10 * real(jax.jit(jax.grad(_mlp_loss)).lower(params, x).compile(
         compiler_options=jaxmem.targets.get("cpu").compiler_options))[0]
