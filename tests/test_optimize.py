@@ -364,8 +364,9 @@ def test_the_loop_tightens_by_the_plan_of_the_round_that_came_closest(monkeypatc
         budgets.append(budget)
         everything = greedy.split_every(g, cost_model, "remat")
         nothing = plan_lib.unplanned(g)
+        peak = plan_lib.simulate_plan(g, nothing).peak_bytes
         nothing = nothing.replace(notes=("alternative: nothing re-issued",),
-                                  predicted_peak_bytes=plan_lib.simulate_plan(g, nothing).peak_bytes)
+                                  predicted_peak_bytes=peak)
         return everything.replace(planner="two_misses", budget_bytes=budget,
                                   alternatives=(nothing,))
 
