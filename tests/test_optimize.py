@@ -249,8 +249,7 @@ def test_the_step_as_written_is_compiled_last_when_every_plan_is_over(monkeypatc
         name="remat_all", kind="planner", doc="test", fn=lambda g, b, cm, o: greedy.split_every(
             g, cm, "remat").replace(planner="remat_all", budget_bytes=b)))
     params, x = _mlp_args()
-    plain = real(jax.jit(jax.grad(_mlp_loss)).lower(params, x).compile(
-        compiler_options=jaxmem.targets.get("cpu").compiler_options))[0]
+    plain = _plain_cpu_bytes(real, params, x)
     step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
         budget=plain, target="cpu", planner="remat_all", verify_rounds=1))
     verified = step.verified(params, x)
@@ -259,36 +258,6 @@ def test_the_step_as_written_is_compiled_last_when_every_plan_is_over(monkeypatc
     assert plan.status == "ok" and not plan.remat and rounds[1].compiled_bytes <= plain
     assert any("last resort" in n for n in plan.notes)
     assert _same(step(params, x), jax.jit(jax.grad(_mlp_loss))(params, x))
-
-
-def test_alternatives_are_compiled_and_the_fastest_fitting_plan_is_kept(monkeypatch):
-    """A planner's ``Plan.alternatives`` are compiled too; the compiled roofline picks.
-
-    The fake planner prefers a plan that re-issues everything and offers the plan
-    that re-issues nothing as its alternative: both fit a generous budget, and the
-    compiled step without re-issues is the faster one.
-    """
-    from jaxmem import plan as plan_lib
-    from jaxmem.planners import _registry, greedy
-
-    def planner(g, budget, cost_model, options):
-        everything = greedy.split_every(g, cost_model, "remat")
-        nothing = plan_lib.unplanned(g).replace(notes=("alternative: nothing re-issued",))
-        return everything.replace(planner="prefers_remat", budget_bytes=budget,
-                                  alternatives=(nothing,))
-
-    monkeypatch.setitem(_registry._ENTRIES, "prefers_remat", _registry.Entry(
-        name="prefers_remat", kind="planner", doc="test", fn=planner))
-    params, x = _mlp_args()
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
-        budget="1GiB", target="h100", planner="prefers_remat", verify_rounds=1))
-    verified = step.verified(params, x)
-    assert len(verified.rounds) == 2 and verified.rounds[0].plan.remat
-    assert verified.plan.status == "ok" and not verified.plan.remat  # the alternative won
-    ranked = [n for n in verified.plan.notes if n.startswith("ranked 2 fitting plans")]
-    assert ranked and "alternative: nothing re-issued" in ranked[0]
-    assert "alternatives" not in verified.plan.to_json()
-    assert plan_lib.Plan.from_json(verified.plan.to_json()) == verified.plan
 
 
 def _charge(monkeypatch, charge):
@@ -308,11 +277,54 @@ def _charge(monkeypatch, charge):
     return real
 
 
+def _plain_cpu_bytes(device_bytes, params, x):
+    """``device_bytes`` of the plain gradient step compiled for the cpu target."""
+    return device_bytes(jax.jit(jax.grad(_mlp_loss)).lower(params, x).compile(
+        compiler_options=jaxmem.targets.get("cpu").compiler_options))[0]
+
+
 def _use_planner(monkeypatch, name, fn):
     from jaxmem.planners import _registry
 
     monkeypatch.setitem(_registry._ENTRIES, name, _registry.Entry(
         name=name, kind="planner", doc="test", fn=fn))
+
+
+def _remat_all_or_nothing(g, budget, cost_model, name):
+    """A plan that re-issues everything, with the unplanned step (its simulated peak
+    set) as its one alternative."""
+    from jaxmem import plan as plan_lib
+    from jaxmem.planners import greedy
+
+    nothing = plan_lib.unplanned(g)
+    nothing = nothing.replace(notes=("alternative: nothing re-issued",),
+                              predicted_peak_bytes=plan_lib.simulate_plan(g, nothing).peak_bytes)
+    return greedy.split_every(g, cost_model, "remat").replace(
+        planner=name, budget_bytes=budget, alternatives=(nothing,))
+
+
+def test_alternatives_are_compiled_and_the_fastest_fitting_plan_is_kept(monkeypatch):
+    """A planner's ``Plan.alternatives`` are compiled too; the compiled roofline picks.
+
+    The fake planner prefers a plan that re-issues everything and offers the plan
+    that re-issues nothing as its alternative: both fit a generous budget, and the
+    compiled step without re-issues is the faster one.
+    """
+    from jaxmem import plan as plan_lib
+
+    _use_planner(monkeypatch, "prefers_remat",
+                 lambda g, budget, cost_model, options: _remat_all_or_nothing(
+                     g, budget, cost_model, "prefers_remat"))
+    params, x = _mlp_args()
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+        budget="1GiB", target="h100", planner="prefers_remat", verify_rounds=1))
+    verified = step.verified(params, x)
+    assert len(verified.rounds) == 2 and verified.rounds[0].plan.remat
+    assert verified.plan.status == "ok" and not verified.plan.remat  # the alternative won
+    ranked = [n for n in verified.plan.notes if n.startswith("ranked 2 fitting plans")]
+    assert ranked and "alternative: nothing re-issued" in ranked[0]
+    assert "alternatives" not in verified.plan.to_json()
+    assert plan_lib.Plan.from_json(verified.plan.to_json()) == verified.plan
 
 
 def test_an_over_budget_rounds_alternative_is_compiled_before_tightening(monkeypatch):
@@ -323,23 +335,16 @@ def test_an_over_budget_rounds_alternative_is_compiled_before_tightening(monkeyp
     the same round, and fits, so the loop stops without re-planning. A re-plan
     would have passed the budget as given (``verify_budget_bytes``) along.
     """
-    from jaxmem import plan as plan_lib
-    from jaxmem.planners import greedy
-
     seen = []
     real = _charge(monkeypatch, lambda n, dev: dev + ((1 << 20) if n == 1 else 0))
 
     def planner(g, budget, cost_model, options):
         seen.append(options.get("verify_budget_bytes"))
-        everything = greedy.split_every(g, cost_model, "remat")
-        nothing = plan_lib.unplanned(g).replace(notes=("alternative: nothing re-issued",))
-        return everything.replace(planner="misses_first", budget_bytes=budget,
-                                  alternatives=(nothing,))
+        return _remat_all_or_nothing(g, budget, cost_model, "misses_first")
 
     _use_planner(monkeypatch, "misses_first", planner)
     params, x = _mlp_args()
-    plain = real(jax.jit(jax.grad(_mlp_loss)).lower(params, x).compile(
-        compiler_options=jaxmem.targets.get("cpu").compiler_options))[0]
+    plain = _plain_cpu_bytes(real, params, x)
     step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
         budget=plain, target="cpu", planner="misses_first", verify_rounds=3))
     verified = step.verified(params, x)
@@ -354,26 +359,16 @@ def test_the_loop_tightens_by_the_plan_of_the_round_that_came_closest(monkeypatc
     """Both the planner's plan and its alternative compile over the budget; the next
     planning budget is set by the alternative, which came closer (1,000 bytes over),
     not by the chosen plan's larger miss."""
-    from jaxmem import plan as plan_lib
-    from jaxmem.planners import greedy
-
     budgets = []
     real = _charge(monkeypatch, lambda n, dev: dev + (8000 if n == 1 else 1000))
 
     def planner(g, budget, cost_model, options):
         budgets.append(budget)
-        everything = greedy.split_every(g, cost_model, "remat")
-        nothing = plan_lib.unplanned(g)
-        peak = plan_lib.simulate_plan(g, nothing).peak_bytes
-        nothing = nothing.replace(notes=("alternative: nothing re-issued",),
-                                  predicted_peak_bytes=peak)
-        return everything.replace(planner="two_misses", budget_bytes=budget,
-                                  alternatives=(nothing,))
+        return _remat_all_or_nothing(g, budget, cost_model, "two_misses")
 
     _use_planner(monkeypatch, "two_misses", planner)
     params, x = _mlp_args()
-    plain = real(jax.jit(jax.grad(_mlp_loss)).lower(params, x).compile(
-        compiler_options=jaxmem.targets.get("cpu").compiler_options))[0]
+    plain = _plain_cpu_bytes(real, params, x)
     step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
         budget=plain, target="cpu", planner="two_misses", verify_rounds=2,
         on_over_budget="warn"))
@@ -409,8 +404,7 @@ def test_offloads_that_compile_far_over_the_simulation_are_dropped_in_later_roun
 
     _use_planner(monkeypatch, "greedy", planner)
     params, x = _mlp_args()
-    budget = 10 * real(jax.jit(jax.grad(_mlp_loss)).lower(params, x).compile(
-        compiler_options=jaxmem.targets.get("cpu").compiler_options))[0]
+    budget = 10 * _plain_cpu_bytes(real, params, x)
     step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
         budget=budget, target="cpu", planner="greedy", verify_rounds=2, on_over_budget="warn"))
     with caplog.at_level(logging.WARNING, logger="jaxmem.optimize"):
