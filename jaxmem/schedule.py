@@ -277,14 +277,15 @@ def build_schedule(graph_or_view: Any, plan: Plan) -> Schedule:
     # Nor for an op whose fused output flows into a reduction or a 16-bit value: that
     # fusion would change, and XLA's CPU backend may then sum in another order or
     # round elsewhere.
-    readers: dict[int, list[int]] = {}
-    for k, slots in enumerate(v.in_slots):
-        for t in slots:
-            if t is not None:
-                readers.setdefault(t, []).append(k)
+    readers: dict[int, list[int]] = {}  # built on first use: most schedules never need it
     touchy: dict[int, bool] = {}
 
     def sensitive(op: int) -> bool:
+        if not readers:
+            for k, slots in enumerate(v.in_slots):
+                for t in slots:
+                    if t is not None:
+                        readers.setdefault(t, []).append(k)
         if op not in touchy:
             touchy[op] = False  # (cycle guard; the program is a DAG)
             touchy[op] = v.primitives[op] in REDUCTIONS or any(
