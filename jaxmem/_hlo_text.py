@@ -34,6 +34,9 @@ _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 _OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
 _SPACE = re.compile(r"S\((\d+)\)")
 _COMMENT = re.compile(r"/\*.*?\*/")
+# The end of a computation; one run by a host offload (``compute_on("device_host")``)
+# names its thread: ``}, execution_thread="host"``.
+_END = re.compile(r'^\}(?:,\s*execution_thread="([\w\-]+)")?\s*$')
 
 
 class HloParseError(ValueError):
@@ -154,11 +157,16 @@ class Instruction:
 
 @dataclasses.dataclass(frozen=True)
 class Computation:
-    """An HLO computation: its instructions in the order printed (the schedule, if scheduled)."""
+    """An HLO computation: its instructions in the order printed (the schedule, if scheduled).
+
+    ``execution_thread`` is ``"main"`` (the device) or the thread XLA runs it on,
+    ``"host"`` for a computation offloaded to the host CPU.
+    """
 
     name: str
     instructions: tuple[Instruction, ...]
     is_entry: bool = False
+    execution_thread: str = "main"
 
     @functools.cached_property
     def by_name(self) -> dict[str, Instruction]:
@@ -221,8 +229,10 @@ def parse_module(text: str) -> HloModule:
             if header and line.rstrip().endswith("{"):
                 current, body = (header.group(2), bool(header.group(1))), []
             continue
-        if line.strip() == "}":
-            computations[current[0]] = Computation(current[0], tuple(body), current[1])
+        end = _END.match(line.strip())
+        if end:
+            computations[current[0]] = Computation(current[0], tuple(body), current[1],
+                                                   end.group(1) or "main")
             if current[1]:
                 entry = current[0]
             current = None

@@ -25,7 +25,11 @@ cross-checked against it on the CPU target (tests do):
 Host memory is XLA's memory space 5 (``S(5)`` in a layout). Bytes moved
 between device and pinned host -- ``copy-start`` / ``copy`` between memory
 spaces, and (under ``scan``) dynamic-(update-)slice fusions between a host
-buffer and a device slice -- are counted per direction.
+buffer and a device slice -- are counted per direction. A computation XLA runs
+on the host (``execution_thread="host"``, from ``compute_on("device_host")``)
+is not device compute: its call counts the device operands it reads as
+device-to-host bytes, the device results it writes as host-to-device bytes,
+and everything it reads and writes as ``host_bytes_accessed``.
 
 >>> import jax, jax.numpy as jnp
 >>> text = jax.jit(lambda a, b: a @ b).lower(jnp.ones((4, 8)), jnp.ones((8, 2))).compile().as_text()
@@ -71,9 +75,10 @@ _FREE = frozenset({
     "add-dependency", "opt-barrier", "domain", "partition-id", "replica-id"})
 
 # Halves of asynchronous pairs; the cost sits on the start.
-_ASYNC_START = frozenset({"copy-start", "fusion-start", "async-start", "send", "recv"})
+_ASYNC_START = frozenset({"copy-start", "fusion-start", "async-start", "send", "recv",
+                          "custom-call-start"})
 _ASYNC_DONE = frozenset({"copy-done", "fusion-done", "async-done", "async-update", "send-done",
-                         "recv-done"})
+                         "recv-done", "custom-call-done"})
 
 # Custom calls that run no kernel.
 _FREE_CUSTOM_CALLS = frozenset({"AllocateBuffer", "MoveToHost", "MoveToDevice", "Sharding",
@@ -104,6 +109,8 @@ class OpCost:
       calls: the computations a control instruction runs (a ``while``:
         condition, body).
       trip_count: iterations of a ``while`` (``None`` if XLA did not know it).
+      host_bytes_accessed: for a call of a computation run on the host, the
+        bytes it reads and writes (host memory bound; not in ``flops``).
     """
 
     name: str
@@ -121,6 +128,7 @@ class OpCost:
     control: Control | None = None
     calls: tuple[str, ...] = ()
     trip_count: int | None = None
+    host_bytes_accessed: float = 0.0
 
     @property
     def device_bytes_accessed(self) -> float:
@@ -289,6 +297,8 @@ class _Analyzer:
             dest, src = _async_parts(inst)
             return _with_transfers(inst, _Work(), [(src.byte_size, src.on_host)],
                                    [(dest.byte_size, dest.on_host)], role="start")
+        if inst.attrs.get("async_execution_thread", "").strip('"') == "host":
+            return self._host_call(inst, comp)
         if op in ("fusion", "fusion-start") or (op == "async-start" and inst.called("calls")):
             return self._fusion(inst, comp, role="start" if op != "fusion" else None)
         if op == "custom-call":
@@ -316,6 +326,17 @@ class _Analyzer:
         out = _async_parts(inst)[1] if inst.opcode != "fusion" else inst.shape
         reads, writes = _fusion_traffic(inst, comp, called, out)
         return _with_transfers(inst, self._fused_cost(called.name), reads, writes, role=role)
+
+    def _host_call(self, inst: Instruction, comp: Computation) -> OpCost:
+        """The start of a computation run on the host: link bytes and host memory traffic."""
+        operands, results = _async_parts(inst)
+        reads = [(leaf.byte_size, leaf.on_host) for leaf in operands.leaves()]
+        writes = [(leaf.byte_size, leaf.on_host) for leaf in results.leaves()]
+        d2h = sum(n for n, host in reads if not host)
+        h2d = sum(n for n, host in writes if not host)
+        return OpCost(inst.name, inst.opcode, bytes_accessed=float(d2h + h2d), d2h_bytes=d2h,
+                      h2d_bytes=h2d, async_role="start",
+                      host_bytes_accessed=float(sum(n for n, _ in reads + writes)))
 
     def _custom_call(self, inst: Instruction, comp: Computation) -> OpCost:
         target = inst.attrs.get("custom_call_target", "").strip('"')
