@@ -19,6 +19,11 @@ direction. Kernel launch latency is not modelled, so tiny steps look faster
 than they are. Every figure is an estimate, labelled as such wherever it is
 shown; only a run on the GPU measures time.
 
+An optimizer update that runs on the host (a plan's ``host_update``) is
+limited by host memory bandwidth (:data:`HOST_MEMORY_BYTES_PER_S`, an
+estimate); so is a call of a host computation in the compiled step
+(``execution_thread="host"``, see :mod:`jaxmem.hlo`), not at the device's rate.
+
 Overlap (:meth:`CostModel.step_time`): instructions run one after another
 in the compiled schedule. An asynchronous host copy (``copy-start`` ...
 ``copy-done``, or an async fusion that moves a slice between host and
@@ -26,8 +31,10 @@ device) starts when the schedule reaches it, runs on the link while compute
 goes on, and makes its ``-done`` wait until it has finished. The two
 directions of the link work at the same time (PCIe is full duplex); copies
 in one direction queue behind each other. A synchronous host copy stalls
-compute for its whole duration. A ``while`` body takes its time once per
-iteration.
+compute for its whole duration. A call of a host computation sends its device
+operands down, computes at host memory bandwidth, then sends its device
+results up; it runs beside device compute like an asynchronous copy. A
+``while`` body takes its time once per iteration.
 
 >>> m = CostModel.for_target("h100")
 >>> round(m.op_time_s(2 * 4096**3, 3 * 2 * 4096**2, "bfloat16") * 1e6)  # a bf16 GEMM, µs
@@ -53,6 +60,14 @@ _ALGORITHM_TYPES = {"f32": "float32", "tf32": "tensorfloat32", "bf16": "bfloat16
                     "f16": "float16", "f64": "float64", "f8e4m3fn": "float8_e4m3fn",
                     "f8e5m2": "float8_e5m2"}
 
+# Host memory bandwidth an XLA CPU computation reaches on a GPU server -- an ESTIMATE, not a
+# measurement. A DGX H100 host has two Xeon Platinum 8480C with eight DDR5-4800 channels
+# each: 614 GB/s peak (2 x 8 x 38.4 GB/s); published STREAM triad results for such
+# two-socket Sapphire Rapids servers are about 450 GB/s. XLA's CPU runtime splits a fusion
+# over part of the cores and the pinned buffers sit on one socket's memory, so take about
+# half of STREAM.
+HOST_MEMORY_BYTES_PER_S = 250e9
+
 _BAD_DIRECTION = "direction must be 'd2h' (device to host) or 'h2d' (host to device); got {!r}"
 
 
@@ -65,12 +80,14 @@ class StepTime:
       compute_s: time of the device instructions alone (loops included).
       d2h_s: time the link spends copying device to host.
       h2d_s: time the link spends copying host to device.
+      host_s: time the host spends in computations offloaded to it.
     """
 
     total_s: float
     compute_s: float
     d2h_s: float
     h2d_s: float
+    host_s: float = 0.0
 
     @property
     def exposed_copy_s(self) -> float:
@@ -92,6 +109,8 @@ class CostModel:
       h2d_bytes_per_s: host-to-device link bandwidth.
       f32_matmul_default: the arithmetic of a float32 matmul at default
         precision (``"tensorfloat32"`` on GPU targets, ``"float32"`` on the CPU).
+      host_bytes_per_s: host memory bandwidth of computations run on the
+        host (:data:`HOST_MEMORY_BYTES_PER_S`, an estimate).
     """
 
     target: str
@@ -101,6 +120,7 @@ class CostModel:
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
     f32_matmul_default: str = "float32"
+    host_bytes_per_s: float = HOST_MEMORY_BYTES_PER_S
 
     @classmethod
     def for_target(cls, target: "str | _targets.Target") -> "CostModel":
@@ -172,6 +192,13 @@ class CostModel:
             raise ValueError(f"copy_time_s needs non-negative bytes; got {nbytes}")
         return nbytes / rate
 
+    def host_compute_time_s(self, nbytes: float) -> float:
+        """Time for the host to stream ``nbytes`` (read + written) through memory: a host
+        update is elementwise, so bandwidth bound."""
+        if nbytes < 0:
+            raise ValueError(f"host_compute_time_s needs non-negative bytes; got {nbytes}")
+        return nbytes / self.host_bytes_per_s
+
     def instruction_time_s(self, op: OpCost) -> float:
         """Roofline time of one compiled instruction (host bytes excluded: they use the link)."""
         rate = self.matmul_flops_per_s(op.matmul_dtype or "float32", op.matmul_precision)
@@ -200,8 +227,8 @@ class _Schedule:
         if name in self._memo:
             return self._memo[name]
         clock = compute = 0.0
-        busy = {"d2h": 0.0, "h2d": 0.0}
-        free = {"d2h": 0.0, "h2d": 0.0}
+        busy = {"d2h": 0.0, "h2d": 0.0, "host": 0.0}
+        free = {"d2h": 0.0, "h2d": 0.0, "host": 0.0}
         pending: dict[str, float] = {}
         for op in self._cost.computations[name]:
             if op.control is not None:
@@ -210,8 +237,23 @@ class _Schedule:
                 compute += sub.compute_s
                 busy["d2h"] += sub.d2h_s
                 busy["h2d"] += sub.h2d_s
+                busy["host"] += sub.host_s
             elif op.async_role == "done":
                 clock = max(clock, pending.pop(op.async_peer or "", clock))
+            elif op.host_bytes_accessed:
+                # Operands down, the host computes, results up; each resource in turn.
+                end = clock
+                for resource, took in (
+                        ("d2h", self._model.copy_time_s(op.d2h_bytes, "d2h")),
+                        ("host", self._model.host_compute_time_s(op.host_bytes_accessed)),
+                        ("h2d", self._model.copy_time_s(op.h2d_bytes, "h2d"))):
+                    end = max(end, free[resource]) + took
+                    free[resource] = end
+                    busy[resource] += took
+                if op.async_role == "start":
+                    pending[op.name] = end
+                else:
+                    clock = end
             elif op.d2h_bytes or op.h2d_bytes:
                 end = clock
                 for direction, nbytes in (("d2h", op.d2h_bytes), ("h2d", op.h2d_bytes)):
@@ -230,7 +272,7 @@ class _Schedule:
                 clock += took
                 compute += took
         clock = max([clock, *pending.values()])
-        self._memo[name] = StepTime(clock, compute, busy["d2h"], busy["h2d"])
+        self._memo[name] = StepTime(clock, compute, busy["d2h"], busy["h2d"], busy["host"])
         return self._memo[name]
 
     def _control(self, op: OpCost) -> StepTime:
@@ -254,5 +296,5 @@ def _dtype_name(dtype: Any) -> str:
         return str(dtype)
 
 
-def _fields(t: StepTime) -> tuple[float, float, float, float]:
-    return (t.total_s, t.compute_s, t.d2h_s, t.h2d_s)
+def _fields(t: StepTime) -> tuple[float, float, float, float, float]:
+    return (t.total_s, t.compute_s, t.d2h_s, t.h2d_s, t.host_s)
