@@ -11,7 +11,9 @@ order; op ids: equation indices). It says
 * ``offload``: tensors copied to pinned host right after they are produced and
   prefetched back before a given op; consumers from that op on read the
   prefetched copy, so the device buffer dies at its last use before it;
-* ``placement``: where each parameter / optimizer-state input lives.
+* ``placement``: where each parameter / optimizer-state input lives, and
+  ``host_update``: which placed inputs are updated on the host rather than
+  prefetched to the device (:mod:`jaxmem.placement`).
 
 It is plain frozen data, round-trips through JSON, and reads well in a terminal:
 
@@ -83,6 +85,9 @@ class Plan:
         prefetched back to the device.
       placement: input tensor id -> ``"device"`` or ``"pinned_host"``; inputs
         not named stay where the caller put them.
+      host_update: inputs placed on ``"pinned_host"`` whose update runs on the
+        host (``compute_on("device_host")``) instead of the device, so they
+        never come to the device (:func:`jaxmem.placement.host_update_group`).
       planner: the planner's registry name.
       budget_bytes: the device budget the planner aimed at.
       predicted_peak_bytes: the simulated device peak of the plan.
@@ -126,6 +131,7 @@ class Plan:
     notes: tuple[str, ...] = ()
     bound_unit: str = "bytes"
     block_decisions: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    host_update: tuple[int, ...] = ()
     graph: Any = dataclasses.field(default=None, compare=False, repr=False)
     alternatives: tuple["Plan", ...] = dataclasses.field(default=(), compare=False, repr=False)
 
@@ -136,6 +142,11 @@ class Plan:
         set_("offload", _frozen_map(self.offload, int))
         set_("placement", _frozen_map(self.placement, _placement))
         set_("notes", tuple(str(n) for n in self.notes))
+        set_("host_update", tuple(sorted(int(t) for t in self.host_update)))
+        stray = [t for t in self.host_update if self.placement.get(t) != "pinned_host"]
+        if stray:
+            raise ValueError(f"plan host_update names inputs {stray} that are not placed on "
+                             f"'pinned_host'; place them too, or drop them from host_update")
         set_("block_decisions", types.MappingProxyType(
             {str(k): str(v) for k, v in sorted((self.block_decisions or {}).items())}))
         set_("budget_bytes", int(self.budget_bytes))
@@ -167,6 +178,7 @@ class Plan:
             "solve_time_s": self.solve_time_s, "lower_bound": self.lower_bound, "gap": self.gap,
             "notes": list(self.notes), "bound_unit": self.bound_unit,
             "block_decisions": dict(self.block_decisions),
+            "host_update": list(self.host_update),
         }
 
     def to_json(self) -> str:
@@ -174,12 +186,13 @@ class Plan:
         return json.dumps(self._as_dict(), sort_keys=True)
 
     def decisions(self) -> str:
-        """The plan's decisions alone, as JSON: order, remat, offload, placement and block
-        decisions (equal for two plans that emit the same program, whatever their planner,
-        budget, predictions or notes)."""
+        """The plan's decisions alone, as JSON: order, remat, offload, placement (with the
+        host update) and block decisions (equal for two plans that emit the same program,
+        whatever their planner, budget, predictions or notes)."""
         data = self._as_dict()
         return json.dumps({k: data[k] for k in ("order", "remat", "offload", "placement",
-                                                "block_decisions")}, sort_keys=True)
+                                                "host_update", "block_decisions")},
+                          sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -193,6 +206,7 @@ class Plan:
         if isinstance(data, dict):
             data.setdefault("bound_unit", "bytes")  # plans written before these fields existed
             data.setdefault("block_decisions", {})
+            data.setdefault("host_update", [])
         if not isinstance(data, dict) or set(data) != fields:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"not a jaxmem plan: expected a JSON object with keys {sorted(fields)}, "
@@ -289,7 +303,10 @@ class Plan:
         lines.extend(self._listing(graph, self.offload, top, "prefetched before op"))
         on_host = [t for t, where in self.placement.items() if where == "pinned_host"]
         if self.placement:
-            lines.append(f"  placement: {len(on_host)} of {len(self.placement)} inputs on pinned host")
+            update = (f", {len(self.host_update)} updated on the host" if self.host_update
+                      else ", updated on the device" if on_host else "")
+            lines.append(f"  placement: {len(on_host)} of {len(self.placement)} inputs on pinned "
+                         f"host{update}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
