@@ -28,6 +28,19 @@ dependencies through ``jax.lax.optimization_barrier``:
   placement saves is the updated output's device buffer. A donated input
   passed in device memory keeps its update on the device (JAX would alias the
   device buffer to a host output, which PjRt refuses);
+* **host update**: the equations of the update that read inputs in the plan's
+  ``host_update`` (:func:`jaxmem.placement.host_update_group`) run as one
+  ``jax.jit`` under ``compute_on("device_host")``, issued where the device
+  first needs one of its results (or at the end). The device values it reads
+  go to host with ``jax.device_put(x, Space.Host)``, reshaped to 1-D first
+  (XLA's GPU compiler rejects a host computation whose parameter has a
+  transposed layout, as a gradient may); the results the device still needs
+  come back with ``Space.Device``; the placed inputs and their updates stay in
+  host memory (an update whose input is donated from device memory comes back,
+  as above). On the CPU the host is the device, so the planned step computes the
+  plain step's bits; on a GPU the host computes the update with the CPU's
+  arithmetic, whose ``sqrt`` and division may round differently from the
+  GPU's, so the updated state can differ in the last bits from a device update;
 * **order**: equations are emitted in the plan's order; ops whose results
   only reach the step's outputs a few ops later (weight gradients, optimizer
   updates) are tied into the next op of the main chain, so XLA's GPU
@@ -64,8 +77,10 @@ from typing import Any, Callable, Iterator, Literal, Sequence
 
 import jax
 from jax.extend import core as jcore
+from jax.experimental.compute_on import compute_on
 from jax.extend import source_info_util
 
+from jaxmem import placement as placement_lib
 from jaxmem import plan as plan_lib
 
 logger = logging.getLogger(__name__)
@@ -81,6 +96,10 @@ _DONATED_ON_DEVICE = (
     "{n} inputs placed on pinned host ({tensors}) are donated but were passed in device "
     "memory, so their updates stay on the device. Pass them in pinned host memory (a sharding "
     "with memory_kind='pinned_host'), or do not donate them.")
+
+_HOST_UPDATE_OFFLOAD = (
+    "the plan offloads t{tensors} to or from an equation of its host update; the host update "
+    "runs on the host already: drop those tensors from Plan.offload, or Plan.host_update")
 
 _WRONG_ARGS = (
     "the emitted step was traced with arguments of structure {expected} but was called "
@@ -120,6 +139,12 @@ def emit(graph_or_program: Any, plan: plan_lib.Plan | None = None, *,
     for t in sorted(on_host):
         if not 0 <= t < view.n_inputs:
             raise ValueError(_BAD_PLACEMENT.format(tensor=t, last=view.n_inputs - 1))
+    host_ops = (frozenset(placement_lib.host_update_group(graph_or_program, plan.host_update).ops)
+                if plan.host_update else frozenset())
+    clash = sorted(t for t, at in plan.offload.items()
+                   if at in host_ops or view.producer[t] in host_ops)
+    if clash:
+        raise ValueError(_HOST_UPDATE_OFFLOAD.format(tensors=clash[:8]))
     schedule = plan_lib.build_schedule(view, plan)
     changes = bool(plan.remat or plan.offload)
     sink = _tail_ops(view)
@@ -127,7 +152,7 @@ def emit(graph_or_program: Any, plan: plan_lib.Plan | None = None, *,
     pins = _pin_ops(view, sink) if pinning else frozenset()
     scopes = _checkpoint_scopes(program, schedule)
     interpreter = _Interpreter(program, schedule, pins, sink, scopes, on_host,
-                               placed_outputs(program, on_host))
+                               placed_outputs(program, on_host), host_ops)
 
     def step(*args: Any, **kwargs: Any) -> Any:
         flat, tree = jax.tree_util.tree_flatten((args, kwargs))
@@ -302,6 +327,19 @@ def _aval_bytes(aval: Any) -> int:
     return math.prod(shape) * dtype.itemsize if dtype is not None else 0
 
 
+def _avals(program: Any) -> list[Any]:
+    """The abstract value of every tensor id: inputs, equation outputs, constants."""
+    jaxpr = program.jaxpr.jaxpr
+    return [v.aval for v in jaxpr.invars] + [
+        v.aval for e in jaxpr.eqns for v in e.outvars if not isinstance(v, jcore.DropVar)] + [
+        v.aval for v in jaxpr.constvars]
+
+
+def value_bytes(program: Any) -> list[int]:
+    """Bytes of every value by tensor id as the program computes it (fused values included)."""
+    return [_aval_bytes(a) for a in _avals(program)]
+
+
 def _transparent(primitive: str) -> bool:
     """Whether XLA's simplifier looks through ``primitive`` when it rewrites its readers."""
     return primitive in LAYOUT_PRIMITIVES or primitive in _ONE_OPERAND_ARITHMETIC
@@ -317,7 +355,8 @@ class _Interpreter:
     def __init__(self, program: Any, schedule: plan_lib.Schedule, pins: frozenset[int],
                  sink: frozenset[int], scope_starts: dict[int, int],
                  placed: frozenset[int] = frozenset(),
-                 placed_outputs: dict[int, int] | None = None) -> None:
+                 placed_outputs: dict[int, int] | None = None,
+                 host_ops: frozenset[int] = frozenset()) -> None:
         self.program = program
         self.schedule = schedule
         self.view = schedule.view
@@ -334,15 +373,15 @@ class _Interpreter:
         self._next_version = 0
         self.placed = placed
         self.placed_outputs = dict(placed_outputs or {})
+        self.host_ops = host_ops
         self.scopes = tuple(getattr(program, "remat_scopes", ()) or ())
         jaxpr = program.jaxpr.jaxpr
         self.eqns = jaxpr.eqns
         self.consts = dict(zip(jaxpr.constvars, program.jaxpr.consts))
         self.outvars = jaxpr.outvars
         # Bytes of every value as the program computes it (the view sizes fused values 0).
-        self.nbytes = [_aval_bytes(v.aval) for v in jaxpr.invars] + [
-            _aval_bytes(v.aval) for e in self.eqns for v in e.outvars
-            if not isinstance(v, jcore.DropVar)] + [_aval_bytes(v.aval) for v in jaxpr.constvars]
+        self.avals = _avals(program)
+        self.nbytes = [_aval_bytes(a) for a in self.avals]
         # Versions the events of each checkpoint scope read from outside it.
         self.scope_inputs = self._scope_inputs()
 
@@ -392,6 +431,7 @@ class _Interpreter:
         back = self._write_back_slots(flat_args)
         write_back = {v: -1 - slot for slot, v in enumerate(self.schedule.final)
                       if slot in back and v is not None and v >= view.n_inputs}
+        on_host = _HostUpdate(self, events, back, {t: env[t] for t in self.placed})
         pending_host: list[int] = []      # offloaded tensors whose copy must finish before the next op
         offloaded: dict[int, list[int]] = {}  # offloaded tensor -> chain its prefetch recomputes
         pending_pins: list[int] = []      # versions to tie into the next op
@@ -408,6 +448,14 @@ class _Interpreter:
             while k < len(events) and events[k].kind == "offload" and events[k].at == at:
                 k += 1
             after = events[j + 1:k]
+            if self.host_ops:  # the host update's equations wait for _HostUpdate.run
+                before = [ev for ev in before if not on_host.defer(ev)]
+                if on_host.defer(op_event):
+                    for ev in before:
+                        self._issue(ev, env)
+                    i = k
+                    continue
+                on_host.run_if_read([*before, op_event], env, host)
 
             # Barrier at this op: pending copies/pins, prefetch sources, remat inputs, and the op's inputs.
             made_here = {w for ev in before for w in ev.writes if w is not None}
@@ -508,6 +556,7 @@ class _Interpreter:
                     host[write_back[w]] = jax.device_put(env[w], jax.memory.Space.Host)
                     pending_host.append(write_back[w])
             i = k
+        on_host.run_if_read(None, env, host)
 
         results = []
         for slot, version in enumerate(self.schedule.final):
@@ -713,3 +762,90 @@ class _Interpreter:
             if self._real(v) or not buffers_only:
                 top, below = v, len(walked)
         return top, walked[:below][::-1]
+
+
+class _HostUpdate:
+    """The host update of one run: defers its equations, then runs them on the host.
+
+    The deferred equations run as one ``jax.jit`` under ``compute_on("device_host")``
+    when a device event first reads one of their results (or at the end of the
+    step); results computed on the host stay there as host values.
+    """
+
+    def __init__(self, interp: _Interpreter, events: Sequence[plan_lib.Event],
+                 back: frozenset[int], placed_on_host: dict[int, Any]) -> None:
+        self.interp = interp
+        self.placed_on_host = placed_on_host  # placed inputs as host values
+        self.pending: list[plan_lib.Event] = []
+        self.reissued: dict[int, int] = {}    # version of a skipped re-issue -> its tensor
+        self.waiting: set[int] = set()        # host versions not computed yet
+        self.host_values: dict[int, Any] = {}  # tensor -> its host value, once run
+        final = interp.schedule.final
+        self.deferred = [ev for ev in events if self.is_host(ev)]
+        self.device_reads = {r for ev in events if not self.is_host(ev) for r in ev.reads
+                             if r is not None}
+        self.device_reads.update(v for s, v in enumerate(final) if v is not None and s not in back)
+        self.writes_back = {v: -1 - s for s, v in enumerate(final) if v is not None and s in back}
+
+    def is_host(self, ev: plan_lib.Event) -> bool:
+        """Whether ``ev`` issues (or re-issues) an equation of the host update."""
+        return ev.kind in ("op", "remat", "fused") and ev.op in self.interp.host_ops
+
+    def defer(self, ev: plan_lib.Event) -> bool:
+        """Keep ``ev`` back to run on the host, if it is of the host update; whether it is."""
+        if not self.is_host(ev):
+            return False
+        writes = {w: self.interp._tensor(w) for w in ev.writes if w is not None}
+        if ev.kind == "op":
+            self.pending.append(ev)
+        else:  # a re-issue of a host value: the device reads the value the host sends back
+            self.reissued.update(writes)
+        self.waiting.update(writes)
+        return True
+
+    def run_if_read(self, events: Sequence[plan_lib.Event] | None, env: dict[int, Any],
+                    host: dict[int, Any]) -> None:
+        """Run the pending equations if ``events`` read a result (``None``: at the end)."""
+        if events is not None and not any(r in self.waiting for ev in events for r in ev.reads):
+            return
+        if self.pending:
+            self._run(env, host)
+        for w, t in self.reissued.items():
+            if w not in env and t in self.host_values:
+                env[w] = jax.device_put(self.host_values[t], jax.memory.Space.Device)
+        self.waiting = {w for w in self.waiting if w not in env}
+
+    def _run(self, env: dict[int, Any], host: dict[int, Any]) -> None:
+        interp, pending = self.interp, self.pending
+        self.pending = []
+        made = {w for ev in pending for w in ev.writes if w is not None}
+        ext = list(dict.fromkeys(r for ev in pending for r in ev.reads
+                                 if r is not None and r not in made))
+        batch = {id(ev) for ev in pending}
+        wanted = self.device_reads | set(self.writes_back) | {
+            r for ev in self.deferred if id(ev) not in batch for r in ev.reads}
+        keep = [w for w in sorted(made) if w in wanted]
+        sent = []
+        for r in ext:
+            if r in self.placed_on_host:
+                sent.append(self.placed_on_host[r])
+            elif interp._tensor(r) in self.host_values:
+                sent.append(self.host_values[interp._tensor(r)])
+            else:  # 1-D: XLA rejects a host computation parameter with a transposed layout
+                sent.append(jax.device_put(env[r].reshape(-1), jax.memory.Space.Host))
+
+        def update(*values: Any) -> list[Any]:
+            local = {r: x.reshape(interp.avals[interp._tensor(r)].shape)
+                     for r, x in zip(ext, values)}
+            for ev in pending:
+                interp._issue(ev, local)
+            return [local[w] for w in keep]
+
+        outs = compute_on("device_host")(jax.jit(update))(*sent)
+        for w, value in zip(keep, outs):
+            self.host_values[interp._tensor(w)] = value
+            env[w] = (jax.device_put(value, jax.memory.Space.Device) if w in self.device_reads
+                      else value)
+            if w in self.writes_back:
+                host[self.writes_back[w]] = value
+

@@ -14,6 +14,13 @@ the update's output buffer outweighs the prefetched copy -- state that is not
 donated, read by few ops -- and always moves the state's bytes to host, where
 a real GPU run with host-resident state also drops the argument.
 
+A plan's ``host_update`` names placed inputs whose update runs on the host
+instead (:func:`host_update_group`: the update's equations that read them, run
+under ``compute_on("device_host")``), so they never come to the device: the
+gradients go down the link and what the device still needs (the new
+parameters' deltas) comes back. :func:`update_time_s` prices both paths and
+:func:`choose_host_update` picks the faster, as the greedy planner does.
+
 >>> import jax, jax.numpy as jnp
 >>> from jaxmem.graph import build_graph
 >>> def step(state, x):
@@ -29,6 +36,7 @@ a real GPU run with host-resident state also drops the argument.
 from __future__ import annotations
 
 import logging
+import dataclasses
 from typing import Any, Sequence
 
 from jaxmem import plan as plan_lib
@@ -38,6 +46,12 @@ logger = logging.getLogger(__name__)
 
 # Placement order: optimizer state first (read once, by the update), then parameters.
 ROLE_ORDER = ("opt_state", "param")
+
+# Elementwise producers a host update takes over from the device when only the update
+# reads them (``(1 - b1) * g``, ``g * g``, a clipping scale times ``g``), so that the
+# gradient itself goes down the link rather than each value derived from it.
+_ELEMENTWISE = frozenset({"mul", "add", "sub", "div", "neg", "integer_pow", "square", "sqrt",
+                          "rsqrt", "abs", "max", "min", "add_any", "convert_element_type"})
 
 
 def updates(graph: Any, placed: Sequence[int]) -> dict[int, int]:
@@ -69,6 +83,131 @@ def copy_time_s(graph: Any, cost_model: Any, placed: Sequence[int]) -> float:
                + cost_model.copy_time_s(graph.tensors[t].bytes, "d2h") for t in placed)
 
 
+@dataclasses.dataclass(frozen=True)
+class HostGroup:
+    """The part of a step's update that runs on the host (tensor and op ids of the graph).
+
+    Attributes:
+      ops: the equations run on the host, in program order.
+      sent: tensors the group reads but does not compute: the inputs it
+        updates (in host memory already) and what the device sends down
+        (gradients, scalars).
+      returned: host results the device still needs (read by a device op, or
+        a step output that is not a placed input's update).
+      written: host results that are placed inputs' updates (stay on host).
+    """
+
+    ops: tuple[int, ...]
+    sent: tuple[int, ...]
+    returned: tuple[int, ...]
+    written: tuple[int, ...]
+
+
+def host_update_group(graph: Any, on_host: Sequence[int]) -> HostGroup:
+    """The equations of the update that read the inputs ``on_host``, to run on the host.
+
+    An equation joins when it reads an input of ``on_host`` or a value the
+    group computes, and everything else it needs is a gradient (a value of the
+    backward pass), a scalar, another input of ``on_host``, or an elementwise
+    value of the update that only the group reads, which then joins too. So
+    Adam's moments, bias corrections and step direction run on the host; the
+    decoupled weight decay and ``params + delta`` read the parameters and stay
+    on the device (unless the parameters are in ``on_host`` too).
+    """
+    from jaxmem import emit  # emit imports this module
+
+    v = plan_lib.view(graph)
+    program = getattr(graph, "program", graph)
+    nbytes = emit.value_bytes(program)
+    mine = frozenset(on_host)
+    readers: dict[int, list[int]] = {}
+    for op in range(v.n_ops):
+        for t in v.inputs_of(op):
+            readers.setdefault(t, []).append(op)
+    group: set[int] = set()
+    values: set[int] = set(mine)  # on host: the inputs and what the group computes
+
+    def outs(op: int) -> list[int]:
+        return [t for t in v.out_slots[op] if t is not None]
+
+    def reachable(t: int, op: int, pulled: set[int]) -> bool:
+        if t in values or nbytes[t] <= v.itemsize[t]:  # scalars go down for free
+            return True
+        p = v.producer[t]
+        if p is None:
+            return t >= v.n_inputs  # a constant (an input outside ``on_host`` is not)
+        if v.phases[p] == "backward":
+            return True
+        if v.phases[p] != "update" or v.primitives[p] not in _ELEMENTWISE:
+            return False
+        taking = pulled | {p}
+        if any(r not in group and r not in taking and r != op
+               for w in outs(p) for r in readers.get(w, [])):
+            return False
+        pulled.add(p)
+        return all(reachable(s, p, pulled) for s in v.inputs_of(p))
+
+    for op in range(v.n_ops):
+        ins = v.inputs_of(op)
+        if not any(t in values for t in ins):
+            continue
+        pulled: set[int] = set()
+        if all(reachable(t, op, pulled) for t in ins):
+            group.update(pulled | {op})
+            values.update(w for p in pulled | {op} for w in outs(p))
+    made = {w for op in group for w in outs(op)}
+    sent = sorted({t for op in group for t in v.inputs_of(op) if t not in made})
+    written_slots = updates(graph, sorted(mine))
+    written = sorted({v.outputs[s] for s in written_slots} & made)
+    needed = {t for op in range(v.n_ops) if op not in group for t in v.inputs_of(op)}
+    needed.update(t for s, t in enumerate(v.outputs) if t is not None and s not in written_slots)
+    return HostGroup(ops=tuple(sorted(group)), sent=tuple(sent),
+                     returned=tuple(sorted(made & needed)), written=tuple(written))
+
+
+def update_time_s(graph: Any, cost_model: Any, placed: Sequence[int],
+                  host_update: Sequence[int] = ()) -> float:
+    """Estimated host-link and host-compute time of a placement.
+
+    Placed inputs updated on the device are prefetched and their updates
+    written back (:func:`copy_time_s`). For those in ``host_update``, what the
+    host group reads goes down, what the device still needs comes up, and the
+    host computes the group at
+    :meth:`~jaxmem.costmodel.CostModel.host_compute_time_s` (the bytes it
+    reads and writes); those that device ops read too are still prefetched.
+    Copies and host compute are summed, not overlapped.
+    """
+    from jaxmem import emit
+
+    chosen = set(host_update)
+    on_host = [t for t in placed if t in chosen]
+    time_s = copy_time_s(graph, cost_model, [t for t in placed if t not in chosen])
+    if not on_host:
+        return time_s
+    group = host_update_group(graph, on_host)
+    nbytes = emit.value_bytes(getattr(graph, "program", graph))
+    v, ops = plan_lib.view(graph), set(group.ops)
+    fetched = [t for t in on_host if any(t in v.inputs_of(op) for op in range(v.n_ops)
+                                         if op not in ops)]
+    down = sum(nbytes[t] for t in group.sent if t not in chosen)
+    up = sum(nbytes[t] for t in group.returned)
+    touched = down + up + sum(nbytes[t] for t in (*on_host, *group.written))
+    return (time_s + cost_model.copy_time_s(down, "d2h") + cost_model.copy_time_s(up, "h2d")
+            + cost_model.host_compute_time_s(touched)
+            + sum(cost_model.copy_time_s(nbytes[t], "h2d") for t in fetched))
+
+
+def choose_host_update(graph: Any, cost_model: Any, placed: Sequence[int]) -> tuple[int, ...]:
+    """The placed optimizer state whose update runs on the host: all or none of it,
+    whichever :func:`update_time_s` estimates faster."""
+    opt = tuple(t for t in placed if graph.tensors[t].role == "opt_state")
+    if not opt or not host_update_group(graph, opt).ops:
+        return ()
+    faster = (update_time_s(graph, cost_model, placed, opt)
+              < update_time_s(graph, cost_model, placed))
+    return opt if faster else ()
+
+
 def host_bytes(graph: Any, placed: Sequence[int]) -> int:
     """Pinned host bytes the placement holds (the state and its update)."""
     return 2 * sum(graph.tensors[t].bytes for t in placed)
@@ -77,10 +216,12 @@ def host_bytes(graph: Any, placed: Sequence[int]) -> int:
 def simulate_plan(graph: Any, plan: plan_lib.Plan) -> simulate.SimResult:
     """The device peak of ``plan`` with its placement, as compiled for a compile-only target.
 
-    Without placement this is :func:`jaxmem.plan.simulate_plan`.
+    Without placement this is :func:`jaxmem.plan.simulate_plan`. With a host
+    update, the host group's results are no device buffers (but those sent
+    back to the device), and a placed input only it reads is not prefetched.
     """
     placed = sorted(t for t, where in plan.placement.items() if where == "pinned_host")
-    bare = plan.replace(placement={})
+    bare = plan.replace(placement={}, host_update=())
     if not placed:
         return plan_lib.simulate_plan(graph, bare)
     sched = plan_lib.build_schedule(graph, bare)
@@ -96,10 +237,14 @@ def simulate_plan(graph: Any, plan: plan_lib.Plan) -> simulate.SimResult:
         if free is not None:
             f.append(free)
 
+    group = host_update_group(graph, plan.host_update) if plan.host_update else None
+    host_ops = frozenset(group.ops) if group else frozenset()
+    on_host = {x for s in steps if s.op in host_ops for x in s.alloc
+               if sched.tensor(x) not in group.returned} if group else set()
     # The prefetched copy: a device buffer from the first step reading the input to the last.
     for t in placed:
-        reading = [i for i, s in enumerate(steps)
-                   if s.op is not None and t in graph.ops[s.op].mem_inputs]
+        reading = [i for i, s in enumerate(steps) if s.op is not None
+                   and s.op not in host_ops and t in graph.ops[s.op].mem_inputs]
         if not reading:
             continue
         copy, next_id = next_id, next_id + 1
@@ -107,10 +252,10 @@ def simulate_plan(graph: Any, plan: plan_lib.Plan) -> simulate.SimResult:
         add(reading[0], alloc=copy)
         add(reading[-1], free=copy)
     # The update: a device buffer only at the step that computes it (then copied to host).
-    written: set[int] = set()
+    written: set[int] = set(on_host)
     for slot in updates(graph, placed):
         version = sched.final[slot]
-        if version is None or version < len(graph.inputs):
+        if version is None or version < len(graph.inputs) or version in written:
             continue
         producer = graph.tensors[sched.tensor(version)].producer
         at = [i for i, s in enumerate(steps) if s.op == producer]
