@@ -17,7 +17,9 @@ The order of operations is never changed (greedy does not reorder, whatever
 ``allow_reorder`` says). With ``allow_state_offload``, a plan still over
 budget then places optimizer state (then parameters) in pinned host memory,
 one input at a time in :func:`jaxmem.placement.candidates` order, keeping each
-that lowers the placement-aware simulated peak (:mod:`jaxmem.placement`).
+that lowers the placement-aware simulated peak (:mod:`jaxmem.placement`), and
+runs the placed optimizer state's update on the host when the cost model
+estimates that faster than prefetching it (:func:`jaxmem.placement.choose_host_update`).
 
 >>> import jax.numpy as jnp
 >>> from jaxmem.graph import build_graph
@@ -251,8 +253,16 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
     if status == "ok" and sim.peak_bytes > budget_bytes:
         status = "over_budget"
     notes = [f"{rounds} rounds; greedy keeps program order"]
+    host_update: tuple[int, ...] = ()
     if placed:
-        notes.append(f"{len(placed)} inputs placed on pinned host")
+        host_update = placement_lib.choose_host_update(graph, cost_model, list(placed))
+        notes.append(f"{len(placed)} inputs placed on pinned host, "
+                     f"{len(host_update)} of them updated on the host")
+        if host_update:
+            sim = placement_lib.simulate_plan(graph, decisions.plan(budget_bytes).replace(
+                placement=placed, host_update=host_update))
+            if status == "over_budget" and sim.peak_bytes <= budget_bytes:
+                status = "ok"
     if not allow_remat:
         notes.append("remat disabled")
     if not allow_offload:
@@ -260,9 +270,9 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
     return decisions.plan(
         budget_bytes, status=status, solve_time_s=time.perf_counter() - start,
         notes=tuple(notes)).replace(
-        placement=placed, predicted_peak_bytes=sim.peak_bytes,
+        placement=placed, host_update=host_update, predicted_peak_bytes=sim.peak_bytes,
         predicted_time_s=_step_time_s(graph, cost_model, decisions, pool)
-        + placement_lib.copy_time_s(graph, cost_model, list(placed)))
+        + placement_lib.update_time_s(graph, cost_model, list(placed), host_update))
 
 
 def _place_state(graph: Any, plan: plan_lib.Plan, budget_bytes: int, host_left: int,
