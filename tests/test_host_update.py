@@ -125,3 +125,23 @@ def test_host_update_of_an_input_not_placed_is_refused():
     _, _, graph, moments = _case("mlp")
     with pytest.raises(ValueError, match="not placed on 'pinned_host'"):
         plan_lib.unplanned(graph).replace(host_update=tuple(moments))
+
+
+def test_optimize_at_level_4_updates_the_moments_on_the_host_and_runs_exactly():
+    import jaxmem
+
+    zs, args, _, moments = _case("mlp")
+    h100 = targets.get("h100")
+    m = jax.jit(zs.fn).lower(*h100.place(args)).compile(
+        compiler_options=h100.compiler_options).memory_analysis()
+    plain = (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+             - m.alias_size_in_bytes)
+    budget = int(0.8 * plain)
+    step = jaxmem.optimize(zs.fn, config=jaxmem.Config(
+        budget=budget, target="h100", allow_state_offload=True, on_over_budget="warn"))
+    verified = step.verified(*args)
+    assert verified.plan.host_update == tuple(moments)
+    assert verified.plan.status == "ok" and verified.rounds[-1].compiled_bytes <= budget
+    reference, out = jax.jit(zs.fn)(*args), step(*args)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+               zip(jax.tree_util.tree_leaves(reference), jax.tree_util.tree_leaves(out)))
