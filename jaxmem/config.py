@@ -81,6 +81,15 @@ class Config:
         no fraction); default 64 GiB.
       allow_remat / allow_offload / allow_reorder / allow_state_offload: what
         plans may do (state offload is planned by planners that support it).
+      bitwise: ``True`` (the default): plans keep the plain step's arithmetic, so
+        the planned step gives its loss and gradients bit for bit (on 32-bit
+        steps the remat planners recompute a softmax or norm whole, statistics
+        included, as ``jax.checkpoint`` does; on steps with 16-bit values that
+        changes XLA's rounding, so there they leave the values XLA fuses into a
+        summation where the forward pass made them). ``False``: the remat
+        planners (``sublinear``, ``chen``, and ``cpsat`` through them) recompute
+        those values on 16-bit steps too, for a lower peak, with gradients
+        within a few ulps of the plain step's, as under ``jax.checkpoint``.
       time_limit_s: wall time a planner may spend per planning round.
       seed: for planners with randomness.
       on_over_budget: ``"raise"`` an ``InfeasibleBudgetError`` when no plan
@@ -100,6 +109,7 @@ class Config:
     allow_offload: bool = True
     allow_reorder: bool = True
     allow_state_offload: bool = False
+    bitwise: bool = True
     time_limit_s: float = 60.0
     seed: int = 0
     on_over_budget: OnOverBudget = "raise"
@@ -113,7 +123,8 @@ class Config:
         if self.budget is not None:
             parse_bytes(self.budget, "budget", memory_bytes=1)  # form only; size per target
         parse_bytes(self.host_budget, "host_budget")
-        for name in ("allow_remat", "allow_offload", "allow_reorder", "allow_state_offload"):
+        for name in ("allow_remat", "allow_offload", "allow_reorder", "allow_state_offload",
+                     "bitwise"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Config({name}={getattr(self, name)!r}) must be True or False")
         if not isinstance(self.time_limit_s, (int, float)) or isinstance(self.time_limit_s, bool) \
@@ -164,7 +175,7 @@ class Config:
         """The options every planner receives."""
         return {"allow_remat": self.allow_remat, "allow_offload": self.allow_offload,
                 "allow_reorder": self.allow_reorder,
-                "allow_state_offload": self.allow_state_offload,
+                "allow_state_offload": self.allow_state_offload, "bitwise": self.bitwise,
                 "host_budget_bytes": self.host_budget_bytes, "time_limit_s": self.time_limit_s,
                 "seed": self.seed}
 

@@ -34,8 +34,11 @@ _ENTRIES: dict[str, Entry] = {}
 # ``verify_budget_bytes``: the budget as the user gave it, passed by the verify loop of
 # ``jaxmem.optimize`` when it re-plans under a tightened ``budget_bytes`` after a
 # compiled plan missed (the simulator's error differs from plan to plan).
+# ``bitwise``: ``False`` lets planners trade the plain step's bits for memory (gradients
+# within a few ulps, as under ``jax.checkpoint``; see ``Config.bitwise``).
 COMMON_OPTIONS = frozenset({"allow_remat", "allow_offload", "allow_reorder", "allow_state_offload",
-                            "host_budget_bytes", "time_limit_s", "seed", "verify_budget_bytes"})
+                            "host_budget_bytes", "time_limit_s", "seed", "verify_budget_bytes",
+                            "bitwise"})
 # Planners that obey every allow_* option (others refuse an allow_<kind>=False for a
 # kind of decision they always make).
 HONOURS_ALLOW = frozenset({"greedy", "cpsat"})

@@ -96,7 +96,7 @@ DEFAULTS: dict[str, Any] = {
     "reserve_bytes": 0, "host_budget_bytes": 64 << 30, "deterministic": True,
     "tie_blocks": False, "min_decision_bytes": None,
     "heuristics": ("greedy", "chen", "sublinear", "keep_matmuls"),
-    "verify_budget_bytes": None,
+    "verify_budget_bytes": None, "bitwise": True,
 }
 # Options other callers pass to every planner (jaxmem.Config.planner_options); accepted, unused.
 _IGNORED = frozenset({"allow_state_offload"})
@@ -162,7 +162,9 @@ def _heuristic_options(name: str, opts: dict[str, Any]) -> dict[str, Any] | None
     if name == "greedy":
         return {"allow_remat": opts["allow_remat"], "allow_offload": opts["allow_offload"],
                 "host_budget_bytes": opts["host_budget_bytes"], "time_limit_s": share}
-    if name in ("chen", "sublinear", "keep_matmuls"):
+    if name in ("chen", "sublinear"):
+        return {"bitwise": opts["bitwise"]} if opts["allow_remat"] else None
+    if name == "keep_matmuls":
         return {} if opts["allow_remat"] else None
     if name in ("order_bfs", "order_dfs"):
         return {"fine_tune_s": share} if opts["allow_reorder"] else None

@@ -67,6 +67,7 @@ from jaxmem.costmodel import CostModel
 from jaxmem.graph import MemGraph
 from jaxmem.planners._registry import COMMON_OPTIONS
 from jaxmem.planners._registry import register
+from jaxmem.view import REDUCTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class Residuals:
       readers: buffer -> ops that read it (``Op.mem_inputs``), in ``order``.
       forward: every materialized buffer a forward op produces.
       outputs: buffers of the program's outputs.
+      fused: which buffers segments are made of (see :func:`find_residuals`).
     """
 
     order: tuple[int, ...]
@@ -124,15 +126,46 @@ class Residuals:
     readers: Mapping[int, tuple[int, ...]]
     forward: frozenset[int]
     outputs: frozenset[int] = frozenset()
+    fused: bool = False
+
+    def reads(self, graph: MemGraph, op: int) -> tuple[int, ...]:
+        """The buffers ``op`` reads, in this model."""
+        if self.fused:
+            return plan_lib.view(graph).buffer_reads[op]
+        return graph.ops[op].mem_inputs
+
+    def is_buffer(self, graph: MemGraph, tensor: int) -> bool:
+        """Whether ``tensor`` is a buffer, in this model."""
+        if self.fused:
+            return plan_lib.view(graph).materialized[tensor]
+        return bool(graph.tensors[tensor].materialized)
 
 
-def find_residuals(graph: MemGraph, order: Iterable[int] | None = None) -> Residuals:
-    """The residual buffers of ``graph`` under ``order`` (default: the jaxpr order)."""
+def find_residuals(graph: MemGraph, order: Iterable[int] | None = None, *,
+                   fused: bool = False) -> Residuals:
+    """The residual buffers of ``graph`` under ``order`` (default: the jaxpr order).
+
+    ``fused`` chooses what a segment is made of. ``False``: the graph's buffers
+    (``Op.mem_inputs``); a value XLA fuses into a summation and keeps for
+    another reader too (a softmax's exponential, a norm's centred input) is
+    read where the forward pass left it, so recomputing its readers keeps it
+    alive until then (on GPT-2, 12 softmax exponentials at the peak). ``True``:
+    the emitter's buffers (``View.buffer_reads``), so such values are
+    recomputed with their segment, and so are the segment's statistics (see
+    :func:`profile`), as ``jax.checkpoint`` does. XLA then fuses the
+    recomputed chain with other neighbours: on 32-bit steps the bits were the
+    plain step's in every test (the f32 zoo models on XLA:CPU), on steps with
+    16-bit values they were not (a widened bf16 value rounds differently when
+    its chain is fused anew: llama tiny within 2.2 bf16 ulps of its largest
+    gradient), which is why :func:`fused_segments_are_exact` decides.
+    """
     order = tuple(graph.topo_order() if order is None else order)
     pos = {op: i for i, op in enumerate(order)}
+    model = Residuals(order=order, pos=pos, tensors=(), first_backward={}, readers={},
+                      forward=frozenset(), fused=fused)
     readers: dict[int, list[int]] = {}
     for op in order:
-        for t in graph.ops[op].mem_inputs:
+        for t in model.reads(graph, op):
             readers.setdefault(t, []).append(op)
     outputs = {graph.buffer(t) for t in graph.outputs}
     forward, residuals, first = set(), [], {}
@@ -140,16 +173,41 @@ def find_residuals(graph: MemGraph, order: Iterable[int] | None = None) -> Resid
         if graph.ops[op].phase != "forward":
             continue
         for t in graph.ops[op].outputs:
-            if not graph.tensors[t].materialized:
+            if not model.is_buffer(graph, t):
                 continue
             forward.add(t)
             late = [r for r in readers.get(t, ()) if graph.ops[r].phase != "forward"]
             if late and t not in outputs:
                 residuals.append(t)
                 first[t] = late[0]
-    return Residuals(order=order, pos=pos, tensors=tuple(residuals), first_backward=first,
-                     readers={t: tuple(r) for t, r in readers.items()},
-                     forward=frozenset(forward), outputs=frozenset(outputs - {None}))
+    return dataclasses.replace(model, tensors=tuple(residuals), first_backward=first,
+                               readers={t: tuple(r) for t, r in readers.items()},
+                               forward=frozenset(forward), outputs=frozenset(outputs - {None}))
+
+
+_HALF_FLOATS = frozenset({"bfloat16", "float16"})
+
+
+def fused_segments_are_exact(graph: MemGraph) -> bool:
+    """Whether segments of fused values (``find_residuals(fused=True)``) keep the bits:
+    the step has no 16-bit floating-point values (see :func:`find_residuals`)."""
+    return not _HALF_FLOATS & {str(t.dtype) for t in graph.tensors}
+
+
+def statistics(graph: MemGraph) -> frozenset[int]:
+    """Values computed from reductions' results and constants alone (a norm's mean and
+    rsqrt, a softmax's max and sum), or from constants alone (``sqrt(head_dim)``)."""
+    v = plan_lib.view(graph)
+    stat, const = [False] * v.n_tensors, [False] * v.n_tensors
+    for op, outs in enumerate(v.out_slots):  # program order: inputs come first
+        ins = [u for u in v.in_slots[op] if u is not None]
+        is_const = all(const[u] for u in ins)
+        is_stat = v.primitives[op] in REDUCTIONS or (
+            any(stat[u] for u in ins) and all(stat[u] or const[u] for u in ins))
+        for t in outs:
+            if t is not None:
+                stat[t], const[t] = is_stat, is_const
+    return frozenset(t for t in range(v.n_tensors) if stat[t] or const[t])
 
 
 def reissuable(graph: MemGraph, tensor: int) -> bool:
@@ -187,7 +245,7 @@ def remat_points(graph: MemGraph, res: Residuals, remat: Iterable[int],
     stack = sorted(want)
     while stack:
         s = stack.pop()
-        for u in graph.ops[graph.tensors[s].producer].mem_inputs:  # type: ignore[index]
+        for u in res.reads(graph, graph.tensors[s].producer):  # type: ignore[arg-type]
             if (u not in want and u in res.forward and u not in residual
                     and u not in res.outputs and reissuable(graph, u)):
                 want.add(u)
@@ -197,7 +255,7 @@ def remat_points(graph: MemGraph, res: Residuals, remat: Iterable[int],
     for s in sorted(want, key=lambda t: -graph.tensors[t].producer):  # type: ignore[operator]
         if s not in point:
             continue  # needed by no re-issue and read by no backward op: nothing to do
-        for u in graph.ops[graph.tensors[s].producer].mem_inputs:  # type: ignore[index]
+        for u in res.reads(graph, graph.tensors[s].producer):  # type: ignore[arg-type]
             if u in want:
                 point[u] = min(point.get(u, point[s]), point[s])
             elif u in offload and res.pos[offload[u]] > point[s]:
@@ -327,7 +385,7 @@ def forward_cuts(graph: MemGraph, res: Residuals) -> tuple[tuple[int, frozenset[
     forward_ops = [op for op in res.order if graph.ops[op].phase == "forward"]
     last: dict[int, int] = {}
     for i, op in enumerate(forward_ops):
-        for t in graph.ops[op].mem_inputs:
+        for t in res.reads(graph, op):
             if t in res.forward:
                 last[t] = i
     cuts, alive = [], set()
@@ -342,6 +400,7 @@ def profile(graph: MemGraph, res: Residuals, cost_model: CostModel, *,
             small_fraction: float = 0.01, short_lifetime: int = 2) -> Profile:
     """Profile the forward pass: residual costs, forced keeps, cuts and candidate cuts."""
     biggest = max((graph.tensors[t].bytes for t in res.tensors), default=0)
+    recomputed = statistics(graph) if res.fused else frozenset()
     recompute, lifetime, forced = {}, {}, set()
     for t in res.tensors:
         p = graph.tensors[t].producer
@@ -350,8 +409,14 @@ def profile(graph: MemGraph, res: Residuals, cost_model: CostModel, *,
         lifetime[t] = res.pos[res.first_backward[t]] - res.pos[p]  # type: ignore[index]
         round_trip_s = (cost_model.copy_time_s(nbytes, "d2h")
                         + cost_model.copy_time_s(nbytes, "h2d"))
-        if (not reissuable(graph, t) or nbytes < small_fraction * biggest
-                or lifetime[t] <= short_lifetime or recompute[t] > round_trip_s):
+        # Segments of fused values recompute their small statistics too, as
+        # jax.checkpoint does: a softmax or norm recomputed around the forward pass's
+        # max or mean is fused (and rounded) differently. So are values computed from
+        # constants alone (a softmax's 1/sqrt(d)): XLA folds them into their readers,
+        # and read from a buffer they change the arithmetic.
+        small = nbytes < small_fraction * biggest and t not in recomputed
+        if (not reissuable(graph, t) or small or lifetime[t] <= short_lifetime
+                or recompute[t] > round_trip_s):
             forced.add(t)
     cuts = forward_cuts(graph, res)
     size = [sum(graph.tensors[t].bytes for t in cut) for _, cut in cuts]
@@ -366,7 +431,12 @@ def profile(graph: MemGraph, res: Residuals, cost_model: CostModel, *,
                    h2d_bytes_per_s=cost_model.h2d_bytes_per_s)
 
 
-def checkpoints_for_threshold(graph: MemGraph, prof: Profile,
+def _fused(graph: MemGraph, bitwise: bool) -> bool:
+    """Whether segments recompute fused values (``find_residuals(fused=...)``)."""
+    return not bitwise or fused_segments_are_exact(graph)
+
+
+def checkpoints_for_threshold(graph: MemGraph, res: Residuals, prof: Profile,
                               threshold_bytes: float) -> frozenset[int]:
     """The buffers kept in one round: a candidate cut closes a block of > threshold bytes.
 
@@ -377,7 +447,7 @@ def checkpoints_for_threshold(graph: MemGraph, prof: Profile,
     candidates = set(prof.candidates)
     for i, (op, cut) in enumerate(prof.cuts):
         acc += sum(graph.tensors[t].bytes for t in graph.ops[op].outputs
-                   if graph.tensors[t].materialized)
+                   if res.is_buffer(graph, t))
         if i in candidates and acc > threshold_bytes:
             keep |= cut
             acc = 0.0
@@ -395,7 +465,7 @@ def _segment_plan(graph: MemGraph, res: Residuals, keep: frozenset[int]
 
 
 _SUBLINEAR_DEFAULTS = {"rounds": 8, "factor": 2.0, "small_fraction": 0.01, "short_lifetime": 2,
-                       "refine": 12}
+                       "refine": 12, "bitwise": True}
 
 
 def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
@@ -409,7 +479,11 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     ops are kept), ``refine`` (after the search, how many of the costliest
     recomputed residuals are tried as extra checkpoints; one is kept when the
     plan still fits: a segment's most expensive op, such as the output
-    projection before the loss, is often worth its memory).
+    projection before the loss, is often worth its memory), ``bitwise``
+    (default ``True``: segments recompute the values XLA fuses into
+    summations only where that keeps the plain step's bits,
+    :func:`fused_segments_are_exact`; ``False``: always, see
+    :func:`find_residuals`).
 
     >>> # see the module docstring for a graph; options are checked:
     >>> sublinear(None, 0, None, {"round": 3})  # doctest: +ELLIPSIS
@@ -421,7 +495,7 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
         raise ValueError(f"sublinear needs rounds >= 1, factor > 1 and refine >= 0; got rounds="
                          f"{opts['rounds']}, factor={opts['factor']}, refine={opts['refine']}")
     started = time.perf_counter()
-    res = find_residuals(graph)
+    res = find_residuals(graph, fused=_fused(graph, opts["bitwise"]))
     prof = profile(graph, res, cost_model, small_fraction=opts["small_fraction"],
                    short_lifetime=opts["short_lifetime"])
 
@@ -451,7 +525,7 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     for r in range(1, opts["rounds"] + 1):
         if best_rank[0] == 0 and not best.remat:
             break  # the step fits without recomputing anything
-        keep = checkpoints_for_threshold(graph, prof, threshold)
+        keep = checkpoints_for_threshold(graph, res, prof, threshold)
         remat = _segment_plan(graph, res, keep)
         p, sim = score(remat)
         memory = sim.allocator_peak_bytes
@@ -499,20 +573,22 @@ def _refine(graph: MemGraph, res: Residuals, prof: Profile, best: plan_lib.Plan,
     return best
 
 
-_CHEN_DEFAULTS = {"segments": None, "small_fraction": 0.01, "short_lifetime": 2}
+_CHEN_DEFAULTS = {"segments": None, "small_fraction": 0.01, "short_lifetime": 2,
+                  "bitwise": True}
 
 
 def chen(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
          options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
     """Chen et al.'s √N checkpointing: ⌈√N⌉ segments of equal length over N candidate cuts.
 
-    Options: ``segments`` (override ⌈√N⌉), ``small_fraction`` and
-    ``short_lifetime`` (residuals always kept, as in :func:`sublinear`).
+    Options: ``segments`` (override ⌈√N⌉), ``small_fraction``,
+    ``short_lifetime`` (residuals always kept) and ``bitwise``, as in
+    :func:`sublinear`.
     The plan is fixed by the graph; the budget only decides the status.
     """
     opts = check_options("chen", options, _CHEN_DEFAULTS, does=("remat",))
     started = time.perf_counter()
-    res = find_residuals(graph)
+    res = find_residuals(graph, fused=_fused(graph, opts["bitwise"]))
     prof = profile(graph, res, cost_model, small_fraction=opts["small_fraction"],
                    short_lifetime=opts["short_lifetime"])
     n = len(prof.candidates)
