@@ -106,6 +106,7 @@ class Options:
     sweep: bool = False
     sweep_factor: float = 0.8
     sweep_min: float = 0.05
+    bitwise: bool = True
 
 
 def parser() -> argparse.ArgumentParser:
@@ -140,6 +141,10 @@ def parser() -> argparse.ArgumentParser:
                    help="timed runs per step with --cpu-time, after one warm-up (default: 5)")
     p.add_argument("--append", action="store_true",
                    help="append to OUT/results.jsonl instead of replacing it")
+    p.add_argument("--not-bitwise", dest="bitwise", action="store_false",
+                   help="plan with jaxmem.Config(bitwise=False): planners may recompute values "
+                        "XLA fuses into summations (gradients within a few ulps, as under "
+                        "jax.checkpoint); records carry bitwise=false")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip the Pareto plot")
     p.add_argument("--sweep", action="store_true",
                    help="instead of --budgets: sweep each planner's budget from the unplanned "
@@ -177,4 +182,4 @@ def parse(argv: Sequence[str] | None = None) -> Options:
                    budgets=budgets, target=ns.target, out=ns.out, step=ns.step, scan=ns.scan,
                    cpu_time=ns.cpu_time, repeats=ns.repeats, time_limit_s=ns.time_limit_s,
                    append=ns.append, plot=ns.plot, sweep=ns.sweep,
-                   sweep_factor=ns.sweep_factor, sweep_min=ns.sweep_min)
+                   sweep_factor=ns.sweep_factor, sweep_min=ns.sweep_min, bitwise=ns.bitwise)
