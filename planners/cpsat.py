@@ -19,7 +19,8 @@ lower peak.
 How it runs, within ``time_limit_s``:
 
 1. **Warm start.** Program order and the plans of the heuristic planners
-   (``greedy``, ``chen``, ``sublinear`` and ``keep_matmuls`` by default) are mapped onto the coarse
+   (``greedy``, ``chen``, ``sublinear``, ``keep_matmuls`` and ``keep_matmuls_no_batch`` by
+   default) are mapped onto the coarse
    problem and repaired greedily (:mod:`._cpsat_hint`) until they fit the model's memory;
    the best becomes the solver's hint.
 2. **Fixed order.** The order of the warm start is kept and CP-SAT decides
@@ -57,9 +58,9 @@ repeatable),
 ``tie_blocks`` (False: equal decisions for items at the same place of repeated
 layers), ``min_decision_bytes`` (buffers smaller than this are always kept;
 default ``budget / 2000``: fewer variables, little memory left on the table),
-``heuristics`` (``("greedy", "chen", "sublinear", "keep_matmuls")``: registered planners whose plans
-warm-start the solver and compete with its plan; ``order_dfs`` / ``order_bfs``
-may be added, at a cost of seconds to minutes on large graphs),
+``heuristics`` (``("greedy", "chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch")``:
+registered planners whose plans warm-start the solver and compete with its plan;
+``order_dfs`` / ``order_bfs`` may be added, at a cost of seconds to minutes on large graphs),
 ``verify_budget_bytes`` (None; set by the verify loop, see above).
 
 >>> import jax, jax.numpy as jnp
@@ -95,7 +96,7 @@ DEFAULTS: dict[str, Any] = {
     "allow_offload": True, "allow_reorder": True, "max_copies": 2, "max_nodes": 60,
     "reserve_bytes": 0, "host_budget_bytes": 64 << 30, "deterministic": True,
     "tie_blocks": False, "min_decision_bytes": None,
-    "heuristics": ("greedy", "chen", "sublinear", "keep_matmuls"),
+    "heuristics": ("greedy", "chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch"),
     "verify_budget_bytes": None, "bitwise": True,
 }
 # Options other callers pass to every planner (jaxmem.Config.planner_options); accepted, unused.
@@ -162,10 +163,8 @@ def _heuristic_options(name: str, opts: dict[str, Any]) -> dict[str, Any] | None
     if name == "greedy":
         return {"allow_remat": opts["allow_remat"], "allow_offload": opts["allow_offload"],
                 "host_budget_bytes": opts["host_budget_bytes"], "time_limit_s": share}
-    if name in ("chen", "sublinear"):
+    if name in ("chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch"):
         return {"bitwise": opts["bitwise"]} if opts["allow_remat"] else None
-    if name == "keep_matmuls":
-        return {} if opts["allow_remat"] else None
     if name in ("order_bfs", "order_dfs"):
         return {"fine_tune_s": share} if opts["allow_reorder"] else None
     return {}

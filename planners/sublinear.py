@@ -188,6 +188,12 @@ def find_residuals(graph: MemGraph, order: Iterable[int] | None = None, *,
 _HALF_FLOATS = frozenset({"bfloat16", "float16"})
 
 
+# Reductions whose result depends on the order of their additions, and producers XLA
+# does not fuse into a reduction (it sums their stored output either way).
+SUMMING = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
+NOT_FUSED = REDUCTIONS | {"dot_general", "conv_general_dilated"}
+
+
 def fused_segments_are_exact(graph: MemGraph) -> bool:
     """Whether segments of fused values (``find_residuals(fused=True)``) keep the bits:
     the step has no 16-bit floating-point values (see :func:`find_residuals`)."""
@@ -226,7 +232,10 @@ def remat_points(graph: MemGraph, res: Residuals, remat: Iterable[int],
     only the forward pass reads (freed there) but that a re-issue needs are
     re-issued too (as in Chen et al., a segment is recomputed from its
     checkpoint); other residuals are read where they are (kept ones stay
-    alive; offloaded ones are prefetched no later than the re-issue).
+    alive; offloaded ones are prefetched no later than the re-issue), except
+    that in segments of fused values a re-issued summation re-issues the
+    elementwise residuals it sums as well (XLA fuses them into it in the
+    forward pass; summing their stored copy adds in another order).
 
     Args:
       graph: the graph.
@@ -242,11 +251,15 @@ def remat_points(graph: MemGraph, res: Residuals, remat: Iterable[int],
     offload = dict(offload or {})
     residual = set(res.tensors) | set(keep)
     want = {t for t in remat if reissuable(graph, t) and t not in offload}
+    v = plan_lib.view(graph)
     stack = sorted(want)
     while stack:
         s = stack.pop()
+        sums = res.fused and v.primitives[graph.tensors[s].producer] in SUMMING
         for u in res.reads(graph, graph.tensors[s].producer):  # type: ignore[arg-type]
-            if (u not in want and u in res.forward and u not in residual
+            fused_in = (sums and u not in keep and u not in offload
+                        and v.primitives[v.producer[u]] not in NOT_FUSED)  # type: ignore[index]
+            if (u not in want and u in res.forward and (u not in residual or fused_in)
                     and u not in res.outputs and reissuable(graph, u)):
                 want.add(u)
                 stack.append(u)
@@ -431,7 +444,7 @@ def profile(graph: MemGraph, res: Residuals, cost_model: CostModel, *,
                    h2d_bytes_per_s=cost_model.h2d_bytes_per_s)
 
 
-def _fused(graph: MemGraph, bitwise: bool) -> bool:
+def fused_segments(graph: MemGraph, bitwise: bool) -> bool:
     """Whether segments recompute fused values (``find_residuals(fused=...)``)."""
     return not bitwise or fused_segments_are_exact(graph)
 
@@ -495,7 +508,7 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
         raise ValueError(f"sublinear needs rounds >= 1, factor > 1 and refine >= 0; got rounds="
                          f"{opts['rounds']}, factor={opts['factor']}, refine={opts['refine']}")
     started = time.perf_counter()
-    res = find_residuals(graph, fused=_fused(graph, opts["bitwise"]))
+    res = find_residuals(graph, fused=fused_segments(graph, opts["bitwise"]))
     prof = profile(graph, res, cost_model, small_fraction=opts["small_fraction"],
                    short_lifetime=opts["short_lifetime"])
 
@@ -588,7 +601,7 @@ def chen(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     """
     opts = check_options("chen", options, _CHEN_DEFAULTS, does=("remat",))
     started = time.perf_counter()
-    res = find_residuals(graph, fused=_fused(graph, opts["bitwise"]))
+    res = find_residuals(graph, fused=fused_segments(graph, opts["bitwise"]))
     prof = profile(graph, res, cost_model, small_fraction=opts["small_fraction"],
                    short_lifetime=opts["short_lifetime"])
     n = len(prof.candidates)
