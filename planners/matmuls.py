@@ -78,13 +78,10 @@ def keep_matmuls(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     # kept) re-issues no matmul: it comes back from what stays alive anyway, by
     # elementwise work. (A residual stream ``h + f(h)`` stays: recomputing it would
     # keep the matmul output ``f(h)`` alive instead, or recompute the matmul.)
-    # Without batched matmuls, the kept ones are checkpoints: a recomputed attention
-    # reads the projections where they are, as dots_with_no_batch_dims_saveable does.
-    keep = () if batched else [t for t in res.forward if _makes_matmul(graph, t, batched)]
     cheap = [t for t in res.tensors if not _makes_matmul(graph, t, batched)
              and not any(_makes_matmul(graph, u, batched)
-                         for u in remat_points(graph, res, [t], keep=keep)[0])]
-    remat, _ = remat_points(graph, res, cheap, keep=keep)
+                         for u in remat_points(graph, res, [t])[0])]
+    remat, _ = remat_points(graph, res, cheap)
     kept = [t for t in res.tensors if t not in remat]
     kept_bytes = sum(graph.tensors[t].bytes for t in kept)
     notes = [f"{len(kept)} residuals kept ({kept_bytes:,} B), {len(cheap)} recomputed without "
