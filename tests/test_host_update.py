@@ -4,31 +4,24 @@ by the cost model."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import numpy as np
 import pytest
 
-import jaxmem.models as zoo
 from jaxmem import emit, hlo, placement, targets
 from jaxmem import plan as plan_lib
 from jaxmem.costmodel import CostModel
-from jaxmem.graph import analyse
 from jaxmem.measure import report
 from jaxmem.planners import greedy
-from jaxmem.trace import trace
+from test_placement import _case as placement_case
 
 HOST_THREAD = 'execution_thread="host"'
 
 
-@functools.lru_cache(maxsize=None)
 def _case(name: str, target: str = "cpu"):
-    zs = zoo.build(name, "tiny", step="train")
-    args = zs.make_args(seed=0)
-    if target != "cpu":
-        args = targets.get(target).place(args)
-    graph = analyse(trace(zs.fn, *args), target)
+    """test_placement's traced zoo step, and its optimizer-state inputs that can be placed."""
+    zs, args, graph = placement_case(name, target)
     moments = [t for t in placement.candidates(graph) if graph.tensors[t].role == "opt_state"]
     return zs, args, graph, moments
 
