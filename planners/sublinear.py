@@ -185,13 +185,11 @@ def find_residuals(graph: MemGraph, order: Iterable[int] | None = None, *,
                                forward=frozenset(forward), outputs=frozenset(outputs - {None}))
 
 
-_HALF_FLOATS = frozenset({"bfloat16", "float16"})
-
-
 # Reductions whose result depends on the order of their additions, and producers XLA
 # does not fuse into a reduction (it sums their stored output either way).
 SUMMING = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
 NOT_FUSED = REDUCTIONS | {"dot_general", "conv_general_dilated"}
+_HALF_FLOATS = frozenset({"bfloat16", "float16"})
 
 
 def fused_segments_are_exact(graph: MemGraph) -> bool:
@@ -257,10 +255,12 @@ def remat_points(graph: MemGraph, res: Residuals, remat: Iterable[int],
         s = stack.pop()
         sums = res.fused and v.primitives[graph.tensors[s].producer] in SUMMING
         for u in res.reads(graph, graph.tensors[s].producer):  # type: ignore[arg-type]
+            if (u in want or u not in res.forward or u in res.outputs
+                    or not reissuable(graph, u)):
+                continue
             fused_in = (sums and u not in keep and u not in offload
                         and v.primitives[v.producer[u]] not in NOT_FUSED)  # type: ignore[index]
-            if (u not in want and u in res.forward and (u not in residual or fused_in)
-                    and u not in res.outputs and reissuable(graph, u)):
+            if u not in residual or fused_in:
                 want.add(u)
                 stack.append(u)
     point: dict[int, int] = {t: res.pos[res.first_backward[t]] for t in want
