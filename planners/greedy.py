@@ -250,8 +250,6 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
         host_used = plan_lib.build_schedule(graph, decisions.plan(budget_bytes)).host_peak_bytes()
         placed, sim = _place_state(graph, decisions.plan(budget_bytes), budget_bytes,
                                    host_budget - host_used, start, time_limit_s)
-    if status == "ok" and sim.peak_bytes > budget_bytes:
-        status = "over_budget"
     notes = [f"{rounds} rounds; greedy keeps program order"]
     host_update: tuple[int, ...] = ()
     if placed:
@@ -261,8 +259,8 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
         if host_update:
             sim = placement_lib.simulate_plan(graph, decisions.plan(budget_bytes).replace(
                 placement=placed, host_update=host_update))
-            if status == "over_budget" and sim.peak_bytes <= budget_bytes:
-                status = "ok"
+    if status == "ok" and sim.peak_bytes > budget_bytes:
+        status = "over_budget"
     if not allow_remat:
         notes.append("remat disabled")
     if not allow_offload:
