@@ -362,7 +362,7 @@ class _Interpreter:
         self.view = schedule.view
         self.pins = pins
         self.sink = sink
-        self.split = frozenset(t for t in schedule.remat_keys if t < schedule.view.n_tensors)
+        self.split = self._split_alone(schedule)
         self.scope_starts = scope_starts
         # Per run: version -> the event that computed it, and when (in issue order);
         # versions the emitter makes beyond the schedule's (chains recomputed after a
@@ -384,6 +384,17 @@ class _Interpreter:
         self.nbytes = [_aval_bytes(a) for a in self.avals]
         # Versions the events of each checkpoint scope read from outside it.
         self.scope_inputs = self._scope_inputs()
+
+    @staticmethod
+    def _split_alone(schedule: plan_lib.Schedule) -> frozenset[int]:
+        """Re-issued tensors whose first copy is left with one reader (see ``run``)."""
+        readers: dict[int, set[int]] = {}
+        for ev in schedule.events:
+            for r in ev.reads:
+                if r is not None and r in schedule.remat_keys:
+                    readers.setdefault(r, set()).add(ev.op)  # type: ignore[arg-type]
+        return frozenset(t for t in schedule.remat_keys
+                         if t < schedule.view.n_tensors and len(readers.get(t, ())) < 2)
 
     def _scope_inputs(self) -> dict[int, list[int]]:
         if not self.scope_starts:
@@ -534,9 +545,13 @@ class _Interpreter:
             outs = [w for w in op_event.writes if w is not None and self._real(w)]
             if outs:
                 last_real = outs[0]
-            # A re-issued tensor keeps fewer readers of its first copy; keep that copy a
-            # buffer as it was, or XLA fuses it into a lone reader and a fused reduction
-            # may sum in another order (results would no longer be bitwise equal).
+            # A re-issued tensor keeps fewer readers of its first copy; when one is left,
+            # keep that copy a buffer as it was, or XLA fuses it into the lone reader and
+            # a fused reduction may sum in another order (results would no longer be
+            # bitwise equal). A copy still read by two ops or more is left to XLA: it
+            # decides as in the plain step, where a cheap value such as a softmax's
+            # exponential is recomputed inside each reader, never written (a barrier
+            # would write and read it back once per layer, as jax.checkpoint does not).
             # (Not a value the simplifier computes through: see _tie_point.)
             kept = [w for w in outs if w in self.split and self._opaque(w)]
             if kept:
