@@ -45,12 +45,13 @@ from jaxmem.costmodel import CostModel
 from jaxmem.graph import MemGraph
 from jaxmem.planners._registry import register
 from jaxmem.planners.sublinear import (check_options, find_residuals, finish, fused_segments,
-                                       remat_points)
+                                       op_time_s, reissuable, remat_points)
 
 logger = logging.getLogger(__name__)
 
 NAME = "keep_matmuls"
 NO_BATCH = "keep_matmuls_no_batch"
+FIT = "keep_matmuls_fit"
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 
 
@@ -74,20 +75,111 @@ def keep_matmuls(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     opts = check_options(name, options, {"bitwise": True}, does=("remat",))
     started = time.perf_counter()
     res = find_residuals(graph, fused=fused_segments(graph, opts["bitwise"]))
-    # A residual is recomputed when its recompute closure (with every other residual
-    # kept) re-issues no matmul: it comes back from what stays alive anyway, by
-    # elementwise work. (A residual stream ``h + f(h)`` stays: recomputing it would
-    # keep the matmul output ``f(h)`` alive instead, or recompute the matmul.)
-    cheap = [t for t in res.tensors if not _makes_matmul(graph, t, batched)
-             and not any(_makes_matmul(graph, u, batched)
-                         for u in remat_points(graph, res, [t])[0])]
+    cheap = _cheap(graph, res, batched)
     remat, _ = remat_points(graph, res, cheap)
+    return finish(graph, budget_bytes, cost_model, planner=name, started=started,
+                  order=res.order, remat=remat, notes=[_kept_note(graph, res, remat, cheap)],
+                  log=logger)
+
+
+def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
+                     options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
+    """Keep the matmul outputs the budget allows, the cheapest to recompute dropped first.
+
+    Starts from :func:`keep_matmuls`'s plan. The residuals it keeps whose
+    recomputation needs a matmul (matmul outputs, a projection's biased
+    output, a residual stream ``h + f(h)``) are recomputed in order of
+    recompute time per byte (the roofline time of the closure each re-issues
+    with every other residual kept; ties: larger first, then program order),
+    so attention scores (a short contraction: cheap per byte) go before
+    projections, and projections with short contractions before long ones.
+    Residuals of one role in every layer form a group; groups are added in
+    that order while the plan's simulated peak is over the budget (a group
+    that raises the peak, re-issued where the peak is, is left kept), and of
+    the group that reaches the budget only the fewest that fit are recomputed
+    (a binary search). About one simulation per role, so a few dozen on a
+    deep model. ``"over_budget"`` when nothing more helps.
+    Options: ``bitwise``, as for ``keep_matmuls``.
+    """
+    opts = check_options(FIT, options, {"bitwise": True}, does=("remat",))
+    started = time.perf_counter()
+    res = find_residuals(graph, fused=fused_segments(graph, opts["bitwise"]))
+    cheap = _cheap(graph, res, batched=True)
+    cheap_set = set(cheap)
+    # What each kept residual costs to recompute (its closure, every other residual
+    # kept): the kept ones whose closure has a matmul are the candidates.
+    cost: dict[int, float] = {}
+    for t in res.tensors:
+        if t in cheap_set or not reissuable(graph, t):
+            continue
+        closure = remat_points(graph, res, [t])[0]
+        if any(_makes_matmul(graph, u) for u in closure):
+            cost[t] = sum(op_time_s(graph, cost_model, graph.tensors[u].producer)
+                          for u in closure)
+    ratio = {t: cost[t] / max(1, graph.tensors[t].bytes) for t in cost}
+    # Residuals of one role in every layer (same primitive, bytes and cost) are
+    # tried together: a handful of simulations for a deep model.
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for t in sorted(cost, key=lambda t: (ratio[t], -graph.tensors[t].bytes, t)):
+        key = (f"{ratio[t]:.6g}", graph.tensors[t].bytes,
+               graph.ops[graph.tensors[t].producer].primitive)
+        groups.setdefault(key, []).append(t)
+
+    def plan_dropping(dropped: list[int]) -> plan_lib.Plan:
+        remat, _ = remat_points(graph, res, cheap + dropped)
+        note = (f"{len(dropped)} of {len(cost)} residuals made with a matmul recomputed, the "
+                f"cheapest per byte first; " + _kept_note(graph, res, remat, cheap))
+        return finish(graph, budget_bytes, cost_model, planner=FIT, started=started,
+                      order=res.order, remat=remat, notes=[note], warn=False)
+
+    dropped: list[int] = []
+    best = plan_dropping(dropped)
+    skipped = 0
+    for group in groups.values():
+        if best.status == "ok":
+            break
+        trial = plan_dropping(dropped + group)
+        if trial.predicted_peak_bytes >= best.predicted_peak_bytes:
+            skipped += len(group)  # re-issued where the peak is, they would only add to it
+            continue
+        if trial.status == "ok":
+            # the fewest of this group that fit (the peak falls as more are dropped)
+            lo, hi = 0, len(group)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                fits = plan_dropping(dropped + group[:mid])
+                if fits.status == "ok":
+                    hi, trial = mid, fits
+                else:
+                    lo = mid + 1
+        dropped += group[:lo] if trial.status == "ok" else group
+        best = trial
+    notes = list(best.notes)
+    if skipped:
+        notes.append(f"{skipped} residuals left kept: recomputing them raised the simulated peak")
+    if best.status != "ok":
+        logger.warning("%s: best plan peaks at %s B, over the budget of %s B", FIT,
+                       f"{best.predicted_peak_bytes:,}", f"{budget_bytes:,}")
+    return best.replace(notes=tuple(notes), solve_time_s=time.perf_counter() - started)
+
+
+def _cheap(graph: MemGraph, res: Any, batched: bool) -> list[int]:
+    """Residuals whose recompute closure (every other residual kept) re-issues no kept matmul.
+
+    They come back from what stays alive anyway, by elementwise work. (A
+    residual stream ``h + f(h)`` stays: recomputing it would keep the matmul
+    output ``f(h)`` alive instead, or recompute the matmul.)
+    """
+    return [t for t in res.tensors if not _makes_matmul(graph, t, batched)
+            and not any(_makes_matmul(graph, u, batched)
+                        for u in remat_points(graph, res, [t])[0])]
+
+
+def _kept_note(graph: MemGraph, res: Any, remat: Mapping[int, Any], cheap: list[int]) -> str:
     kept = [t for t in res.tensors if t not in remat]
     kept_bytes = sum(graph.tensors[t].bytes for t in kept)
-    notes = [f"{len(kept)} residuals kept ({kept_bytes:,} B), {len(cheap)} recomputed without "
-             f"a matmul ({len(remat)} tensors re-issued)"]
-    return finish(graph, budget_bytes, cost_model, planner=name, started=started,
-                  order=res.order, remat=remat, notes=notes, log=logger)
+    return (f"{len(kept)} residuals kept ({kept_bytes:,} B), {len(cheap)} recomputed without "
+            f"a matmul ({len(remat)} tensors re-issued)")
 
 
 def keep_matmuls_no_batch(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
@@ -110,5 +202,7 @@ def _makes_matmul(graph: MemGraph, tensor: int, batched: bool = True) -> bool:
 
 register(NAME, keep_matmuls, "keep matmul/conv outputs, recompute the rest (dots_saveable on "
          "the flat graph)")
+register(FIT, keep_matmuls_fit, "keep the matmul outputs the budget allows, recompute the "
+         "rest (the cheapest per byte dropped first)")
 register(NO_BATCH, keep_matmuls_no_batch, "keep matmuls without batch dims and convs, recompute "
          "the rest (dots_with_no_batch_dims_saveable on the flat graph)")

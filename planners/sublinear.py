@@ -328,12 +328,13 @@ def finish(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *, planner
            remat: Mapping[int, tuple[int, ...]] | None = None,
            offload: Mapping[int, int] | None = None, status: str | None = None,
            lower_bound: float | None = None, notes: Iterable[str] = (),
-           log: logging.Logger | None = None) -> plan_lib.Plan:
+           log: logging.Logger | None = None, warn: bool = True) -> plan_lib.Plan:
     """The :class:`~jaxmem.plan.Plan`, scored by the simulator and the cost model.
 
     ``status`` defaults to ``"ok"``; a plan whose simulated peak exceeds the
     budget is always ``"over_budget"`` (any other status moves into the notes)
-    and a warning goes to ``log`` (the calling planner's logger).
+    and a warning goes to ``log`` (the calling planner's logger) unless
+    ``warn`` is false (a trial plan of a search, which reports its own result).
     """
     order = tuple(graph.topo_order() if order is None else order)
     plan = plan_lib.Plan(order=order, remat=dict(remat or {}), offload=dict(offload or {}),
@@ -348,8 +349,9 @@ def finish(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *, planner
         if status != "ok":
             notes.append(f"status before the budget check: {status}")
         status = "over_budget"
-        (log or logger).warning("%s: best plan peaks at %s B, over the budget of %s B", planner,
-                       f"{sim.peak_bytes:,}", f"{budget_bytes:,}")
+        if warn:
+            (log or logger).warning("%s: best plan peaks at %s B, over the budget of %s B",
+                                    planner, f"{sim.peak_bytes:,}", f"{budget_bytes:,}")
     gap = None
     if lower_bound is not None and sim.peak_bytes > 0:
         gap = max(0.0, (sim.peak_bytes - lower_bound) / sim.peak_bytes)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jcore
 
 import jaxmem.models as zoo
 import jaxmem.planners as registry
@@ -69,8 +70,62 @@ def test_no_batch_variant_recomputes_the_attentions_batched_matmuls():
     assert not batched & kept["keep_matmuls_no_batch"]
 
 
+def _barriered(jaxpr) -> set:
+    """Variables passed through an optimization barrier anywhere in ``jaxpr``."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "optimization_barrier":
+            out.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            out |= _barriered(sub)
+    return out
+
+
+def test_a_reissued_softmax_exponential_keeps_its_first_copy_fused():
+    """The first copy of a re-issued value still read by two ops is not forced into memory.
+
+    The exponential of a softmax is read by its sum and its division in the forward
+    pass; XLA recomputes it inside both (h100). Re-issued for the backward pass, its
+    first copy keeps both readers, so the emitter must not pass it through a barrier:
+    that would write it (and read it back) once per layer, as jax.checkpoint does not.
+    """
+    zs = zoo.build("gpt2", "tiny", step="train")
+    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
+                    target="h100")
+    plan = registry.get("keep_matmuls_no_batch").fn(g, 10**9, COST, {})
+    exps = [t for t in plan.remat if _producer(g, t) == "exp"]
+    assert exps  # the plan re-issues the softmax exponentials
+    closed = jax.make_jaxpr(emit_lib.emit(g, plan))(*zs.args)
+    first = [e.outvars[0] for e in closed.jaxpr.eqns if e.primitive.name == "exp"
+             and e.outvars[0].aval.shape == g.tensors[exps[0]].shape]
+    assert len(first) >= 2 * len(exps)  # the forward copies and the re-issues
+    assert not set(first) & _barriered(closed.jaxpr)
+
+
+def test_fit_variant_recomputes_more_matmul_outputs_as_the_budget_falls():
+    zs = zoo.build("gpt2", "tiny", step="train")
+    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
+                    target="h100")
+    fit = registry.get("keep_matmuls_fit").fn
+    roomy = fit(g, 10**12, COST, {})
+    all_kept = registry.get("keep_matmuls").fn(g, 10**12, COST, {})
+    assert roomy.status == "ok" and roomy.remat == all_kept.remat  # nothing to drop
+    peaks, times = [all_kept.predicted_peak_bytes], [all_kept.predicted_time_s]
+    for share in (0.9, 0.8, 0.7):
+        plan = fit(g, int(share * all_kept.predicted_peak_bytes), COST, {})
+        assert plan.predicted_peak_bytes == plan_lib.simulate_plan(g, plan).peak_bytes
+        assert plan.status == ("ok" if plan.predicted_peak_bytes <= plan.budget_bytes
+                               else "over_budget")
+        peaks.append(plan.predicted_peak_bytes)
+        times.append(plan.predicted_time_s)
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] < peaks[0]
+    assert times == sorted(times) and times[-1] > times[0]  # recomputing costs time
+    assert fit(g, 1024, COST, {}).status == "over_budget"
+
+
 @pytest.mark.parametrize("model,name", [("mlp", "keep_matmuls"), ("gpt2", "keep_matmuls"),
                                         ("gpt2", "keep_matmuls_no_batch"),
+                                        ("gpt2", "keep_matmuls_fit"),
                                         ("resnet50", "keep_matmuls")])
 def test_emitted_plan_is_bitwise_equal_on_the_cpu(model, name):
     """Bit for bit, with fused segments on these 32-bit steps (resnet50's loss re-issues a
@@ -78,7 +133,11 @@ def test_emitted_plan_is_bitwise_equal_on_the_cpu(model, name):
     zs = zoo.build(model, "tiny", step="train")
     g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
                     target="cpu")
-    plan = registry.get(name).fn(g, 10**9, CostModel.for_target("cpu"), {})
+    cost = CostModel.for_target("cpu")
+    budget = 10**9
+    if name == "keep_matmuls_fit":  # a budget that makes it recompute matmuls
+        budget = int(0.7 * registry.get("keep_matmuls").fn(g, budget, cost, {}).predicted_peak_bytes)
+    plan = registry.get(name).fn(g, budget, cost, {})
     assert plan.remat
     inputs = zs.make_args(seed=0)
     want = jax.tree_util.tree_leaves(jax.jit(zs.fn)(*inputs))
