@@ -87,8 +87,8 @@ class Config:
         included, as ``jax.checkpoint`` does; on steps with 16-bit values that
         changes XLA's rounding, so there they leave the values XLA fuses into a
         summation where the forward pass made them). ``False``: the remat
-        planners (``sublinear``, ``chen``, ``keep_matmuls``,
-        ``keep_matmuls_no_batch``, and ``cpsat`` through them) recompute those
+        planners (``sublinear``, ``chen``, the ``keep_matmuls`` planners, and
+        ``cpsat`` through them) recompute those
         values on 16-bit steps too, for a lower peak, with gradients within a
         few ulps of the plain step's, as under ``jax.checkpoint``.
       time_limit_s: wall time a planner may spend per planning round.

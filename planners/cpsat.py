@@ -19,7 +19,7 @@ lower peak.
 How it runs, within ``time_limit_s``:
 
 1. **Warm start.** Program order and the plans of the heuristic planners
-   (``greedy``, ``chen``, ``sublinear``, ``keep_matmuls`` and ``keep_matmuls_no_batch`` by
+   (``greedy``, ``chen``, ``sublinear`` and the three ``keep_matmuls`` planners by
    default) are mapped onto the coarse
    problem and repaired greedily (:mod:`._cpsat_hint`) until they fit the model's memory;
    the best becomes the solver's hint.
@@ -58,7 +58,8 @@ repeatable),
 ``tie_blocks`` (False: equal decisions for items at the same place of repeated
 layers), ``min_decision_bytes`` (buffers smaller than this are always kept;
 default ``budget / 2000``: fewer variables, little memory left on the table),
-``heuristics`` (``("greedy", "chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch")``:
+``heuristics`` (``("greedy", "chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch",
+"keep_matmuls_fit")``:
 registered planners whose plans warm-start the solver and compete with its plan;
 ``order_dfs`` / ``order_bfs`` may be added, at a cost of seconds to minutes on large graphs),
 ``verify_budget_bytes`` (None; set by the verify loop, see above).
@@ -96,7 +97,8 @@ DEFAULTS: dict[str, Any] = {
     "allow_offload": True, "allow_reorder": True, "max_copies": 2, "max_nodes": 60,
     "reserve_bytes": 0, "host_budget_bytes": 64 << 30, "deterministic": True,
     "tie_blocks": False, "min_decision_bytes": None,
-    "heuristics": ("greedy", "chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch"),
+    "heuristics": ("greedy", "chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch",
+                   "keep_matmuls_fit"),
     "verify_budget_bytes": None, "bitwise": True,
 }
 # Options other callers pass to every planner (jaxmem.Config.planner_options); accepted, unused.
@@ -163,7 +165,7 @@ def _heuristic_options(name: str, opts: dict[str, Any]) -> dict[str, Any] | None
     if name == "greedy":
         return {"allow_remat": opts["allow_remat"], "allow_offload": opts["allow_offload"],
                 "host_budget_bytes": opts["host_budget_bytes"], "time_limit_s": share}
-    if name in ("chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch"):
+    if name in ("chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch", "keep_matmuls_fit"):
         return {"bitwise": opts["bitwise"]} if opts["allow_remat"] else None
     if name in ("order_bfs", "order_dfs"):
         return {"fine_tune_s": share} if opts["allow_reorder"] else None
@@ -185,6 +187,7 @@ def _heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: dict[str, 
             notes.append(f"heuristic {name!r} is not registered; skipped")
             logger.info("cpsat: heuristic planner %r is not registered; skipped", name)
             continue
+        began = time.perf_counter()
         try:
             plan = entry.fn(graph, budget_bytes, cost_model, sub)  # type: ignore[misc]
         except Exception as err:  # a failing heuristic must not sink the solver: report it
@@ -193,6 +196,8 @@ def _heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: dict[str, 
                            name, type(err).__name__, err)
             continue
         out.append(_score(graph, name, plan, cost_model))
+        notes.append(f"heuristic {name!r}: {time.perf_counter() - began:.2f} s, "
+                     f"{out[-1].peak_bytes:,} B, {out[-1].time_s:.4g} s estimated")
     return out
 
 
