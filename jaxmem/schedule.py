@@ -191,6 +191,11 @@ class Schedule:
         return steps
 
 
+COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
+# Whether a stale comparison of 32-bit chains (a ReLU's mask) is refreshed even where
+# its reader feeds a reduction (see build_schedule); False treats it as any other value.
+REFRESH_MASKS = True
+
 # Whether a fused value computed from an older copy of a buffer is computed again
 # from the copy a re-issue tied (see build_schedule); off reproduces the schedules
 # before that rule (for comparisons).
@@ -208,7 +213,8 @@ def build_schedule(graph_or_view: Any, plan: Plan) -> Schedule:
     the tied copy): a fused value computed from the buffer before is computed
     again from the tie (``REFRESH_STALE_FUSED``), when its chain is 32-bit and
     its reader does not feed a reduction or a 16-bit value (XLA:CPU's bits would
-    change there).
+    change there), or when it is a comparison of 32-bit chains (a ReLU's mask:
+    the same bits wherever it is computed; ``REFRESH_MASKS``).
 
     Raises:
       ValueError: if the plan does not fit the program (see :func:`check_plan`).
@@ -293,12 +299,22 @@ def build_schedule(graph_or_view: Any, plan: Plan) -> Schedule:
                 for t in v.out_slots[op] if t is not None and not real[t])
         return touchy[op]
 
+    # A comparison of 32-bit chains is exact wherever it is computed: its mask is
+    # the same bits whatever XLA fuses around it (a ReLU's mask read by the sum of a
+    # bias gradient), so it is refreshed even for a reader that feeds a reduction.
+    def exact_mask(t: int) -> bool:
+        p = v.producer[t]
+        return (REFRESH_MASKS and not real[t]
+                and v.primitives[p] in COMPARISONS  # type: ignore[index]
+                and all(wide_chain(u) for u in v.inputs_of(p)))  # type: ignore[arg-type]
+
     def stale(version: int, reader: int) -> bool:
         if not REFRESH_STALE_FUSED:
             return False
         made = made_at.get(version, -1)
+        t = tensor_of.get(version, version)
         return (any(tied_at.get(r, -1) > made for r in roots_of(version))
-                and wide_chain(tensor_of.get(version, version)) and not sensitive(reader))
+                and (exact_mask(t) or wide_chain(t) and not sensitive(reader)))
 
     def resolve(t: int, at: int, memo: dict[int, frozenset[int]], late: bool = False,
                 reader: int | None = None) -> int:

@@ -16,10 +16,17 @@ it keeps only matmuls without batch dimensions (a layer's projections, whose
 inputs are weights) and convolutions, and recomputes the batched ones (a
 transformer's attention scores and context) with the rest.
 
+``keep_matmuls_fit`` follows the budget: it recomputes the residuals whose
+recomputation needs a matmul, the cheapest per byte first, until the plan fits
+(:func:`keep_matmuls_fit`): the choice the MaxText presets
+(``save_dot_except_mlpwi``, ``save_qkv_proj``, ...) make by name, made by cost
+per byte for any budget.
+
 Segments are those of :func:`~jaxmem.planners.sublinear.find_residuals`, with
 the values XLA fuses into summations recomputed too where that keeps the plain
-step's bits (``bitwise``, as for ``sublinear``). The plan does not depend on the
-budget (the budget only decides its status), like ``chen``'s. Options:
+step's bits (``bitwise``, as for ``sublinear``). The plans of ``keep_matmuls``
+and ``keep_matmuls_no_batch`` do not depend on the budget (the budget only
+decides their status), like ``chen``'s. Options:
 ``bitwise`` besides the ones every planner receives.
 
 >>> import jax, jax.numpy as jnp
