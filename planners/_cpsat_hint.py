@@ -20,6 +20,7 @@ per stage), so CP-SAT starts from a solution and improves it.
 from __future__ import annotations
 
 import logging
+import time
 
 from jaxmem.planners._cpsat_problem import Evaluation, Problem, Schedule, evaluate
 
@@ -89,11 +90,12 @@ def _reissue(problem: Problem, schedule: Schedule, by_item: dict[int, list], v: 
     return cost
 
 
-def repair(problem: Problem, schedule: Schedule,
-           max_steps: int | None = None) -> tuple[Schedule, Evaluation]:
+def repair(problem: Problem, schedule: Schedule, max_steps: int | None = None,
+           deadline: float | None = None) -> tuple[Schedule, Evaluation]:
     """Split copies until the schedule fits; the last schedule reached and its evaluation.
 
-    The result may still be over capacity (no split left helps); callers check
+    The result may still be over capacity (no split left helps, or the
+    ``time.perf_counter()`` ``deadline`` passed); callers check
     ``evaluation.peak <= problem.capacity``.
     """
     ev = evaluate(problem, schedule)
@@ -102,6 +104,10 @@ def repair(problem: Problem, schedule: Schedule,
     steps = max_steps if max_steps is not None else 4 * len(problem.items) + 8
     for _ in range(steps):
         if ev.peak <= problem.capacity:
+            break
+        if deadline is not None and time.perf_counter() > deadline:
+            logger.debug("repair stops at peak %d > capacity %d: out of time", ev.peak,
+                         problem.capacity)
             break
         stage = max(range(len(ev.stage_memory)), key=lambda s: (ev.stage_memory[s], -s))
         for _, cand in _candidates(problem, schedule, ev, stage):
