@@ -134,8 +134,9 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
 
     def plan_dropping(dropped: list[int]) -> plan_lib.Plan:
         remat, _ = remat_points(graph, res, cheap + dropped)
-        note = (f"{len(dropped)} of {len(cost)} residuals made with a matmul recomputed, the "
-                f"cheapest per byte first; " + _kept_note(graph, res, remat, cheap))
+        note = (f"{len(dropped)} of {len(cost)} residuals whose recomputation needs a matmul "
+                f"recomputed, the cheapest per byte first; "
+                + _kept_note(graph, res, remat, cheap))
         return finish(graph, budget_bytes, cost_model, planner=FIT, started=started,
                       order=res.order, remat=remat, notes=[note], warn=False)
 
