@@ -274,7 +274,10 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         best, ranking = _rank_alternatives(best, rounds, built, budget, target, seen,
                                            compile_round)
     chosen = rounds[best]
-    notes = (*chosen.plan.notes, *ranking,
+    # The verified status replaces the planner's; a fallback it reported stays in the notes.
+    fell_back = (() if chosen.plan.status in ("ok", "over_budget") else
+                 (f"planner status: {chosen.plan.status}",))
+    notes = (*fell_back, *chosen.plan.notes, *ranking,
              f"verified on {target.name}: {chosen.compiled_bytes / _MiB:,.1f} MiB device + "
              f"{chosen.host_bytes / _MiB:,.1f} MiB host compiled, round {best + 1} of "
              f"{len(rounds)}")

@@ -327,6 +327,25 @@ def test_alternatives_are_compiled_and_the_fastest_fitting_plan_is_kept(monkeypa
     assert plan_lib.Plan.from_json(verified.plan.to_json()) == verified.plan
 
 
+def test_a_planners_fallback_survives_verification_in_the_notes(monkeypatch):
+    """The verified plan's status says whether it fits; the planner's "fallback: ..." stays."""
+    from jaxmem import plan as plan_lib
+
+    def falls_back(g, budget, cost_model, options):
+        plan = plan_lib.unplanned(g).replace(planner="falls_back", budget_bytes=budget)
+        return plan.replace(status="fallback: heuristic plan; the solver found no schedule",
+                            predicted_peak_bytes=plan_lib.simulate_plan(g, plan).peak_bytes)
+
+    _use_planner(monkeypatch, "falls_back", falls_back)
+    params, x = _mlp_args()
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+        budget="1GiB", target="h100", planner="falls_back", verify_rounds=1))
+    verified = step.verified(params, x)
+    assert verified.plan.status == "ok"
+    assert verified.plan.notes[0] == ("planner status: fallback: heuristic plan; the solver "
+                                      "found no schedule")
+
+
 def test_an_over_budget_rounds_alternative_is_compiled_before_tightening(monkeypatch):
     """A plan that compiles over the budget hands its alternatives to the verify loop.
 
