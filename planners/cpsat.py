@@ -22,8 +22,8 @@ How it runs, within ``time_limit_s``:
    (``greedy``, ``chen``, ``sublinear`` and the three ``keep_matmuls`` planners by
    default) are mapped onto the coarse
    problem and repaired greedily (:mod:`._cpsat_hint`) until they fit the model's memory,
-   in the simulator's ranking; the first that fits becomes the solver's hint. Repairs
-   stop after a quarter of ``time_limit_s`` (on a 7,000-op step they took minutes).
+   in the simulator's ranking; the best in the model's terms becomes the solver's hint.
+   Repairs stop after a quarter of ``time_limit_s`` (on a 7,000-op step they took minutes).
 2. **Fixed order.** The order of the warm start is kept and CP-SAT decides
    remat and offload (fast; often proven optimal for that order).
 3. **Joint.** With ``allow_reorder``, the full model is solved, hinted with the
@@ -215,11 +215,10 @@ def _warm_start(c: Coarsening, heur: list[_Scored], budget_bytes: int, deadline:
                 notes: list[str]) -> tuple[Schedule, Evaluation, str]:
     """A heuristic plan as the solver's hint, repaired to fit the model's memory.
 
-    Plans are tried in the simulator's ranking (fits the budget, then fastest);
-    the first that fits the coarse model (as it is, or repaired) is the hint,
-    else the one that comes closest. Repairs stop at ``deadline`` (a
-    ``time.perf_counter()`` value): on a 7,000-op step one repair can take
-    tens of seconds, which the solver needs more.
+    Plans are repaired in the simulator's ranking (fits the budget, then
+    fastest) until ``deadline`` (a ``time.perf_counter()`` value; on a
+    7,000-op step one repair can take tens of seconds, which the solver needs
+    more); the hint is the best in the model's terms: fits, then fastest.
     """
     best = None
     ranked = sorted(heur, key=lambda h: (h.peak_bytes > budget_bytes, h.time_s, h.peak_bytes))
@@ -234,8 +233,6 @@ def _warm_start(c: Coarsening, heur: list[_Scored], budget_bytes: int, deadline:
         key = (ev.peak > c.problem.capacity, ev.time, ev.peak)
         if best is None or key < best[0]:
             best = (key, sched, ev, h.name)
-        if not key[0]:
-            break
     if best is None:  # every repair was out of time: the program order as it is
         h = next(h for h in heur if h.name == "program order")
         sched = plan_schedule(c, h.plan)
