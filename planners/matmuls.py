@@ -82,7 +82,7 @@ def keep_matmuls(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     opts = check_options(name, options, {"bitwise": True}, does=("remat",))
     started = time.perf_counter()
     res = find_residuals(graph, fused=fused_segments(graph, opts["bitwise"]))
-    cheap = _cheap(graph, res, batched)
+    cheap = _cheap(graph, _closures(graph, res), batched)
     remat, _ = remat_points(graph, res, cheap)
     return finish(graph, budget_bytes, cost_model, planner=name, started=started,
                   order=res.order, remat=remat, notes=[_kept_note(graph, res, remat, cheap)],
@@ -111,15 +111,15 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     opts = check_options(FIT, options, {"bitwise": True}, does=("remat",))
     started = time.perf_counter()
     res = find_residuals(graph, fused=fused_segments(graph, opts["bitwise"]))
-    cheap = _cheap(graph, res, batched=True)
+    closures = _closures(graph, res)
+    cheap = _cheap(graph, closures, batched=True)
     cheap_set = set(cheap)
     # What each kept residual costs to recompute (its closure, every other residual
     # kept): the kept ones whose closure has a matmul are the candidates.
     cost: dict[int, float] = {}
-    for t in res.tensors:
+    for t, closure in closures.items():
         if t in cheap_set or not reissuable(graph, t):
             continue
-        closure = remat_points(graph, res, [t])[0]
         if any(_makes_matmul(graph, u) for u in closure):
             cost[t] = sum(op_time_s(graph, cost_model, graph.tensors[u].producer)
                           for u in closure)
@@ -151,8 +151,9 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
             skipped += len(group)  # re-issued where the peak is, they would only add to it
             continue
         if trial.status == "ok":
-            # the fewest of this group that fit (the peak falls as more are dropped)
-            lo, hi = 0, len(group)
+            # The fewest of this group that fit (the peak falls as more are dropped;
+            # none of it is ``best``, which does not fit).
+            lo, hi = 1, len(group)
             while lo < hi:
                 mid = (lo + hi) // 2
                 fits = plan_dropping(dropped + group[:mid])
@@ -160,7 +161,9 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
                     hi, trial = mid, fits
                 else:
                     lo = mid + 1
-        dropped += group[:lo] if trial.status == "ok" else group
+            dropped += group[:lo]
+        else:
+            dropped += group
         best = trial
     notes = list(best.notes)
     if skipped:
@@ -171,16 +174,20 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     return best.replace(notes=tuple(notes), solve_time_s=time.perf_counter() - started)
 
 
-def _cheap(graph: MemGraph, res: Any, batched: bool) -> list[int]:
-    """Residuals whose recompute closure (every other residual kept) re-issues no kept matmul.
+def _closures(graph: MemGraph, res: Any) -> dict[int, dict[int, Any]]:
+    """Residual -> what re-issuing it alone re-issues (every other residual kept)."""
+    return {t: remat_points(graph, res, [t])[0] for t in res.tensors}
+
+
+def _cheap(graph: MemGraph, closures: Mapping[int, Any], batched: bool) -> list[int]:
+    """Residuals whose recompute closure (``_closures``) re-issues no kept matmul.
 
     They come back from what stays alive anyway, by elementwise work. (A
     residual stream ``h + f(h)`` stays: recomputing it would keep the matmul
     output ``f(h)`` alive instead, or recompute the matmul.)
     """
-    return [t for t in res.tensors if not _makes_matmul(graph, t, batched)
-            and not any(_makes_matmul(graph, u, batched)
-                        for u in remat_points(graph, res, [t])[0])]
+    return [t for t, closure in closures.items() if not _makes_matmul(graph, t, batched)
+            and not any(_makes_matmul(graph, u, batched) for u in closure)]
 
 
 def _kept_note(graph: MemGraph, res: Any, remat: Mapping[int, Any], cheap: list[int]) -> str:
