@@ -66,6 +66,10 @@ class View:
       buffer_reads: per op, the materialized tensors it really reads (a fused
         input stands for the buffers it is computed from).
       itemsize: per tensor, the bytes of one element (0 for constants).
+      extra_bytes: per tensor, the bytes XLA keeps beside its buffer
+        (``Tensor.extra_bytes``: a max-pool gradient's companions); empty
+        for a bare ``Program``.
+      alignment: the target's heap alignment in bytes (1 for a bare ``Program``).
     """
 
     n_inputs: int
@@ -81,6 +85,8 @@ class View:
     primitives: tuple[str, ...] = ()
     buffer_reads: tuple[tuple[int, ...], ...] = ()
     itemsize: tuple[int, ...] = ()
+    extra_bytes: tuple[int, ...] = ()
+    alignment: int = 1
 
     @property
     def n_tensors(self) -> int:
@@ -149,7 +155,13 @@ def _build_view(obj: Any) -> View:
         itemsize.append(0)
         producer.append(None)
     materialized = [True] * len(nbytes)
+    extra = [0] * len(nbytes)
+    alignment = 1
     if graph is not None:
+        from jaxmem.simulate import alignment_bytes  # simulate imports the graph module
+
+        extra = [int(t.extra_bytes) for t in graph.tensors]
+        alignment = alignment_bytes(graph.target)
         if len(graph.tensors) != len(nbytes):
             raise ValueError(f"the MemGraph has {len(graph.tensors)} tensors but its program "
                              f"has {len(nbytes)} values; rebuild the graph from this program")
@@ -186,7 +198,8 @@ def _build_view(obj: Any) -> View:
                 outputs=outputs, donated=donated, reissuable=tuple(reissuable),
                 phases=tuple(program.phases),
                 primitives=tuple(e.primitive.name for e in jaxpr.eqns),
-                buffer_reads=tuple(buffer_reads), itemsize=tuple(itemsize))
+                buffer_reads=tuple(buffer_reads), itemsize=tuple(itemsize),
+                extra_bytes=tuple(extra), alignment=alignment)
 
 
 def _itemsize(aval: Any) -> int:
