@@ -324,7 +324,9 @@ def companion_bytes(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int],
     reads: they are charged to its buffer (or to the buffer of its size it is
     fused from; an argument's buffer is never charged, it lives all step). A
     pool input recomputed in the backward pass (under a checkpoint) is charged
-    nothing: its zeros are made and dropped there.
+    nothing: its zeros are made and dropped there. This is the plain step's
+    charge; a plan's schedule changes it (``Schedule._companion_sizes``: with
+    re-issues XLA makes the copy just before the scatter).
     """
     extra: dict[int, int] = {}
     producers = {ids[v]: e for e in jaxpr.eqns for v in e.outvars if _is_var(v)}
