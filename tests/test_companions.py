@@ -3,9 +3,9 @@
 The graph charges the buffer a pool reads its ReLU from with the scatter's
 zeros and their copy (``materialize.companion_bytes``), as XLA allocates them
 in the plain step. In a planned step XLA makes the copy just before the
-scatter, and when the plan re-issues the pool input the gradient reads, it
-makes the zeros there too. Charging them anyway put vgg16 bench
-``keep_matmuls`` at 8,538 MiB simulated against XLA's 5,594 MiB live peak.
+scatter (it is the gradient's output); the zeros stay, made in the forward
+pass. Charging the copy too put vgg16 bench ``keep_matmuls`` at 8,538 MiB
+simulated against 6,689 MiB compiled (now 7,068).
 """
 
 from __future__ import annotations
@@ -40,18 +40,18 @@ def test_the_plain_order_keeps_every_companion():
     assert simulate_plan(g, plain).peak_bytes == simulate(g).peak_bytes
 
 
-def test_a_reissued_pool_input_drops_its_companions_and_the_prediction_holds():
+def test_a_planned_step_keeps_the_zeros_but_not_their_copy_and_the_prediction_holds():
     zs, g = _vgg()
     plan = registry.get("keep_matmuls").fn(g, 10**12, CostModel.for_target("h100"), {})
-    sched = build_schedule(g, plan)
-    charged = [t.id for t in g.tensors if t.extra_bytes]
-    sizes = sched.sizes()
-    # every pool gradient reads a re-issued ReLU: no companion is left on the kept convolutions
-    assert all(sizes[t] < g.tensors[t].bytes + g.tensors[t].extra_bytes for t in charged)
+    assert plan.remat
+    sizes = build_schedule(g, plan).sizes()
+    charged = [t for t in g.tensors if t.extra_bytes]
+    for t in charged:  # the charge is the zeros and their copy, each the pool input's size
+        assert sizes[t.id] == -(-t.bytes // 256) * 256 + t.extra_bytes // 2
     h100 = targets.get("h100")
     compiled = jax.jit(emit_lib.emit(g, plan), donate_argnums=zs.donate_argnums).lower(
         *h100.place(zs.args)).compile(compiler_options=h100.compiler_options)
     predicted = simulate_plan(g, plan).peak_bytes
     actual = report(compiled, "h100").device_bytes
-    # 276,620 against 276,460 B when written; charging the companions gave 14% over
-    assert abs(predicted - actual) <= 0.03 * actual
+    # 293,004 against 276,460 B when written (+6%); charging the copy too gave +14%
+    assert actual <= predicted <= 1.08 * actual
