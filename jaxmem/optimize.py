@@ -286,6 +286,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         return plan, built[best][0], built[best][1], tuple(rounds)
     tried = "; ".join(f"planner budget {r.planner_budget_bytes / _MiB:,.1f} MiB -> compiled "
                       f"{r.compiled_bytes / _MiB:,.1f} MiB" for r in rounds)
+    tried += _bitwise_hint(graph, config)
     if config.on_over_budget == "warn":
         logger.warning("no plan fits the budget of %.1f MiB on %s; running the best plan "
                        "(%.1f MiB). Tried: %s", budget / _MiB, target.name,
@@ -294,6 +295,19 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         return plan, built[best][0], built[best][1], tuple(rounds)
     raise InfeasibleBudgetError(budget, chosen.compiled_bytes, chosen.compiled_bytes,
                                 detail=f"planner {config.planner!r} on {target.name}: {tried}")
+
+
+def _bitwise_hint(graph: Any, config: Config) -> str:
+    """Why a 16-bit step may miss its budget under ``bitwise=True``, and the way out."""
+    from jaxmem.planners.sublinear import fused_segments_are_exact
+
+    if not config.bitwise or fused_segments_are_exact(graph):
+        return ""
+    return (". This step has 16-bit floating-point values: to keep its bits, the remat planners "
+            "leave the values XLA fuses into a summation (a softmax's exponential, a norm's "
+            "centred input) where the forward pass made them. Config(bitwise=False) recomputes "
+            "them whole, as jax.checkpoint does, for a lower peak and gradients within a few "
+            "ulps (jax.checkpoint's own policies change the bits of such a step too)")
 
 
 def _alternative_fits(plan: plan_lib.Plan, planner_budget: int, budget: int, seen: set[str],

@@ -192,6 +192,18 @@ def test_a_budget_below_anything_reachable_raises():
     assert err.budget_bytes == 4096
     assert err.best_compiled_bytes > 4096 and err.min_feasible_bytes == err.best_compiled_bytes
     assert "4,096 B" in str(err) and "on_over_budget" in str(err)
+    assert "bitwise=False" not in str(err)  # a 32-bit step: bitwise costs it nothing
+
+
+@pytest.mark.parametrize("bitwise", [True, False])
+def test_a_16_bit_step_over_budget_names_bitwise_when_it_is_on(bitwise):
+    params, x = _mlp_args()
+    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params)
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+        budget=4096, target="cpu", verify_rounds=1, bitwise=bitwise))
+    with pytest.raises(InfeasibleBudgetError) as info:
+        step(params, x.astype(jnp.bfloat16))
+    assert ("Config(bitwise=False)" in str(info.value)) == bitwise
 
 
 def test_warn_runs_the_best_plan(caplog):
