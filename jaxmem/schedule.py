@@ -143,31 +143,21 @@ class Schedule:
         """Sizes of the originals charged companions (``View.extra_bytes``), in a plan with re-issues.
 
         A max-pool gradient's companions are the scatter's zeros, made in the
-        forward pass (a second output of the stage's first ReLU fusion), and
-        their copy, which the scatter overwrites in place
+        forward pass, and their copy, which the scatter overwrites in place
         (``materialize.companion_bytes``). In the plain step XLA makes the copy
         in the forward pass too; in a step with re-issues (optimization
         barriers) it makes it just before the scatter, whose output it then
-        is, so the original keeps only the zeros. They stay even where the plan
-        re-issues the pool input: the zeros are the forward ReLU's. On vgg16
-        bench ``keep_matmuls`` the plain charge simulated 8,538 MiB, this one
-        7,068, against 6,689 MiB compiled (the zeros were live at XLA's peak).
+        is, where the zeros come out of another ReLU's fusion
+        (``View.movable_copy_bytes``). The zeros stay, even where the plan
+        re-issues the pool input. On vgg16 bench ``keep_matmuls`` the plain
+        charge simulated 8,538 MiB, this one 7,068, against 6,689 compiled.
         """
         v = self.view
-        if not any(v.extra_bytes) or not any(ev.kind in ("remat", "fused") for ev in self.events):
+        if not any(v.movable_copy_bytes) or not any(ev.kind in ("remat", "fused")
+                                                    for ev in self.events):
             return {}
-        copies: dict[int, int] = {}
-        for ev in self.events:
-            if ev.op is None or ev.kind == "offload" or v.primitives[ev.op] != "select_and_scatter_add":
-                continue
-            operand = ev.reads[1] if len(ev.reads) > 1 else None
-            if operand is None:
-                continue
-            for b in {operand, *self.roots.get(operand, ())}:
-                if b < len(v.extra_bytes) and v.extra_bytes[b]:
-                    copies[b] = max(copies.get(b, 0), v.bytes[self.tensor(operand)])
-        return {b: -(-v.bytes[b] // v.alignment) * v.alignment + max(0, v.extra_bytes[b] - copy)
-                for b, copy in copies.items()}
+        return {b: -(-v.bytes[b] // v.alignment) * v.alignment + v.extra_bytes[b] - copy
+                for b, copy in enumerate(v.movable_copy_bytes) if copy}
 
     def last_reads(self) -> dict[int, int]:
         """Version -> index of the last event that reads it (fused reads count for their roots)."""

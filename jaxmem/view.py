@@ -69,6 +69,9 @@ class View:
       extra_bytes: per tensor, the bytes XLA keeps beside its buffer
         (``Tensor.extra_bytes``: a max-pool gradient's companions); empty
         for a bare ``Program``.
+      movable_copy_bytes: per tensor, the part of ``extra_bytes`` a step with
+        re-issues makes in the backward pass instead (see
+        :func:`_movable_copies`); empty for a bare ``Program``.
       alignment: the target's heap alignment in bytes (1 for a bare ``Program``).
     """
 
@@ -86,6 +89,7 @@ class View:
     buffer_reads: tuple[tuple[int, ...], ...] = ()
     itemsize: tuple[int, ...] = ()
     extra_bytes: tuple[int, ...] = ()
+    movable_copy_bytes: tuple[int, ...] = ()
     alignment: int = 1
 
     @property
@@ -156,11 +160,13 @@ def _build_view(obj: Any) -> View:
         producer.append(None)
     materialized = [True] * len(nbytes)
     extra = [0] * len(nbytes)
+    movable = [0] * len(nbytes)
     alignment = 1
     if graph is not None:
         from jaxmem.simulate import alignment_bytes  # simulate imports the graph module
 
         extra = [int(t.extra_bytes) for t in graph.tensors]
+        movable = _movable_copies(graph, jaxpr)
         alignment = alignment_bytes(graph.target)
         if len(graph.tensors) != len(nbytes):
             raise ValueError(f"the MemGraph has {len(graph.tensors)} tensors but its program "
@@ -199,7 +205,33 @@ def _build_view(obj: Any) -> View:
                 phases=tuple(program.phases),
                 primitives=tuple(e.primitive.name for e in jaxpr.eqns),
                 buffer_reads=tuple(buffer_reads), itemsize=tuple(itemsize),
-                extra_bytes=tuple(extra), alignment=alignment)
+                extra_bytes=tuple(extra), movable_copy_bytes=tuple(movable),
+                alignment=alignment)
+
+
+def _movable_copies(graph: Any, jaxpr: Any) -> list[int]:
+    """Per tensor, the bytes of its max-pool companions a step with re-issues makes late.
+
+    The companions (``materialize.companion_bytes``) are the scatter's zeros
+    and their copy, each the pool input's size. XLA's CSE merges the zeros
+    with those of a ReLU of the same shape; where that is another ReLU the
+    forward pass materializes (VGG's first convolution of a stage), the zeros
+    are a second output of its fusion, and in a step with optimization
+    barriers XLA makes the copy just before the scatter (the gradient's own
+    output). Where the zeros stand alone (ResNet's stem, whose only ReLU of
+    that shape is fused into the pool), XLA makes both in the forward pass.
+    """
+    from jax.extend import core as jcore
+
+    relus: set[tuple[tuple[int, ...], str]] = set()
+    for k, eqn in enumerate(jaxpr.eqns):
+        if (eqn.primitive.name == "max" and graph.ops[k].phase == "forward"
+                and any(isinstance(a, jcore.Literal) for a in eqn.invars)):
+            for t in graph.ops[k].outputs:
+                if graph.tensors[t].materialized:
+                    relus.add((graph.tensors[t].shape, str(graph.tensors[t].dtype)))
+    return [t.extra_bytes // 2 if t.extra_bytes and (t.shape, str(t.dtype)) in relus else 0
+            for t in graph.tensors]
 
 
 def _itemsize(aval: Any) -> int:

@@ -2,10 +2,15 @@
 
 The graph charges the buffer a pool reads its ReLU from with the scatter's
 zeros and their copy (``materialize.companion_bytes``), as XLA allocates them
-in the plain step. In a planned step XLA makes the copy just before the
-scatter (it is the gradient's output); the zeros stay, made in the forward
-pass. Charging the copy too put vgg16 bench ``keep_matmuls`` at 8,538 MiB
-simulated against 6,689 MiB compiled (now 7,068).
+in the plain step. XLA's CSE merges the zeros with a ReLU's of the same
+shape. Where that ReLU is another one the forward pass materializes, the zeros
+are a second output of its fusion, and in a step with re-issues XLA makes the
+copy just before the scatter (it is the gradient's output); where the zeros
+stand alone (the pool input is the only ReLU of its shape) both are made in
+the forward pass. vgg16 tiny has one of each: stage 0 has one convolution,
+stage 1 two (seen in the compiled HLO: ``loop_broadcast_fusion`` with two
+outputs in the forward pass; ``copy`` of ``loop_broadcast_maximum_fusion{1}``
+before the scatter).
 """
 
 from __future__ import annotations
@@ -40,18 +45,30 @@ def test_the_plain_order_keeps_every_companion():
     assert simulate_plan(g, plain).peak_bytes == simulate(g).peak_bytes
 
 
-def test_a_planned_step_keeps_the_zeros_but_not_their_copy_and_the_prediction_holds():
-    zs, g = _vgg()
+def test_a_planned_step_moves_the_copy_only_where_the_zeros_come_from_another_relu():
+    _, g = _vgg()
     plan = registry.get("keep_matmuls").fn(g, 10**12, CostModel.for_target("h100"), {})
     assert plan.remat
+    v = plan_lib.view(g)
+    charged = sorted((t for t in g.tensors if t.extra_bytes), key=lambda t: -t.bytes)
+    assert [v.movable_copy_bytes[t.id] for t in charged] == [0, charged[1].extra_bytes // 2]
     sizes = build_schedule(g, plan).sizes()
-    charged = [t for t in g.tensors if t.extra_bytes]
-    for t in charged:  # the charge is the zeros and their copy, each the pool input's size
-        assert sizes[t.id] == -(-t.bytes // 256) * 256 + t.extra_bytes // 2
+    assert charged[0].id not in sizes  # both companions stay: the graph's own charge
+    t = charged[1]
+    assert sizes[t.id] == -(-t.bytes // 256) * 256 + t.extra_bytes // 2
+
+
+def test_the_prediction_of_a_planned_vgg16_bench_step_holds():
+    """Bench size (compile-only, about 10 s): the companions are gigabytes there."""
+    zs = zoo.build("vgg16", "bench", step="train")
+    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
+                    target="h100")
+    plan = registry.get("keep_matmuls").fn(g, 10**15, CostModel.for_target("h100"), {})
     h100 = targets.get("h100")
     compiled = jax.jit(emit_lib.emit(g, plan), donate_argnums=zs.donate_argnums).lower(
         *h100.place(zs.args)).compile(compiler_options=h100.compiler_options)
     predicted = simulate_plan(g, plan).peak_bytes
     actual = report(compiled, "h100").device_bytes
-    # 293,004 against 276,460 B when written (+6%); charging the copy too gave +14%
-    assert actual <= predicted <= 1.08 * actual
+    # 7,068 MiB simulated against 6,689 MiB compiled when written; charging the
+    # copies too gave 8,538 (+27.6%)
+    assert actual <= predicted <= 1.10 * actual
