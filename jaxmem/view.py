@@ -165,12 +165,12 @@ def _build_view(obj: Any) -> View:
     if graph is not None:
         from jaxmem.simulate import alignment_bytes  # simulate imports the graph module
 
-        extra = [int(t.extra_bytes) for t in graph.tensors]
-        movable = _movable_copies(graph, jaxpr)
-        alignment = alignment_bytes(graph.target)
         if len(graph.tensors) != len(nbytes):
             raise ValueError(f"the MemGraph has {len(graph.tensors)} tensors but its program "
                              f"has {len(nbytes)} values; rebuild the graph from this program")
+        extra = [int(t.extra_bytes) for t in graph.tensors]
+        movable = _movable_copies(graph, jaxpr)
+        alignment = alignment_bytes(graph.target)
         nbytes = [int(t.bytes) for t in graph.tensors]
         materialized = [bool(t.materialized) for t in graph.tensors]
         reads: dict[int, set[int]] = {}
@@ -230,8 +230,9 @@ def _movable_copies(graph: Any, jaxpr: Any) -> list[int]:
             for t in graph.ops[k].outputs:
                 if graph.tensors[t].materialized:
                     relus.add((graph.tensors[t].shape, str(graph.tensors[t].dtype)))
-    return [t.extra_bytes // 2 if t.extra_bytes and (t.shape, str(t.dtype)) in relus else 0
-            for t in graph.tensors]
+    # The zeros and the copy are each the size of the charged buffer (the pool input's).
+    return [t.bytes if t.extra_bytes >= 2 * t.bytes > 0 and (t.shape, str(t.dtype)) in relus
+            else 0 for t in graph.tensors]
 
 
 def _itemsize(aval: Any) -> int:
