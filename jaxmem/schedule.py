@@ -128,16 +128,22 @@ class Schedule:
         keeps beside a buffer for as long as it lives), copies made by
         re-issues and prefetches get their tensor's bytes and no companions
         (a recomputed max-pool input makes and drops its companions in the
-        backward pass), and unmaterialized values get 0. In a plan with
-        re-issues, originals keep only the companions XLA still makes in the
-        forward pass (see ``_companion_sizes``).
+        backward pass), and unmaterialized values get 0. Companions that
+        outlive their buffer get ids of their own (see ``companions``).
         """
         v = self.view
         out = {version: 0 for version in self.roots}
         for version, t in self.tensor_of.items():
             out[version] = v.bytes[t] if version not in self.roots else 0
-        out.update(self._companion_sizes())
+        for b, size in self._companion_sizes().items():
+            out[b] = size
+        for held, (b, _) in self.companions().items():
+            out[held] = out.get(b, self._aligned(b) + v.extra_bytes[b]) - self._aligned(b)
+            out[b] = self._aligned(b)
         return out
+
+    def _aligned(self, t: int) -> int:
+        return -(-self.view.bytes[t] // self.view.alignment) * self.view.alignment
 
     def _companion_sizes(self) -> dict[int, int]:
         """Sizes of the originals charged companions (``View.extra_bytes``), in a plan with re-issues.
@@ -156,8 +162,37 @@ class Schedule:
         if not any(v.movable_copy_bytes) or not any(ev.kind in ("remat", "fused")
                                                     for ev in self.events):
             return {}
-        return {b: -(-v.bytes[b] // v.alignment) * v.alignment + v.extra_bytes[b] - copy
+        return {b: self._aligned(b) + v.extra_bytes[b] - copy
                 for b, copy in enumerate(v.movable_copy_bytes) if copy}
+
+    def companions(self) -> dict[int, tuple[int, int]]:
+        """Companions that outlive their buffer: id -> (the buffer, event index that frees them).
+
+        The companions are made with the buffer in the forward pass and die at
+        the pool's gradient. When a plan re-issues the buffer (a stem
+        convolution recomputed for the backward pass), the original dies early
+        but its companions do not: ResNet-50's stem zeros and their copy (784
+        MiB) are live in the compiled step from the forward pass to the
+        scatter. Such companions get an id of their own, past every version.
+        """
+        v = self.view
+        if not any(v.extra_bytes):
+            return {}
+        last = self.last_reads()
+        need: dict[int, int] = {}
+        for i, ev in enumerate(self.events):
+            if ev.op is None or ev.kind == "offload" or v.primitives[ev.op] != "select_and_scatter_add":
+                continue
+            for r in ev.reads:
+                if r is None:
+                    continue
+                for x in (r, *self.roots.get(r, ())):
+                    b = self.tensor(x)
+                    if b < len(v.extra_bytes) and v.extra_bytes[b]:
+                        need[b] = i
+        base = max([v.n_tensors, *(k + 1 for k in self.tensor_of)])
+        held = [b for b in sorted(need) if b >= v.n_inputs and last.get(b, -1) < need[b]]
+        return {base + k: (b, need[b]) for k, b in enumerate(held)}
 
     def last_reads(self) -> dict[int, int]:
         """Version -> index of the last event that reads it (fused reads count for their roots)."""
@@ -212,6 +247,11 @@ class Schedule:
             label = ev.kind if ev.kind == "op" else f"{ev.kind} " + ",".join(f"t{t}" for t in ev.tensors)
             steps.append(simulate.Step(op=ev.op, alloc=alloc, free=tuple(frees.get(i, [])) + tuple(dead),
                                        label=label))
+        for held, (b, freed_at) in self.companions().items():
+            made = next(i for i, s in enumerate(steps) if b in s.alloc)
+            steps[made] = dataclasses.replace(steps[made], alloc=steps[made].alloc + (held,))
+            at = freed_at + 1  # steps[0] allocates the inputs
+            steps[at] = dataclasses.replace(steps[at], free=steps[at].free + (held,))
         return steps
 
 
