@@ -138,8 +138,9 @@ def before_and_after(graph: Any, plan: Any) -> tuple[Timeline, Timeline]:
     if len(host) != len(accounted):
         raise RuntimeError(f"host timeline has {len(host)} steps, the device one "
                              f"{len(accounted)}; they must describe the same schedule")
-    after = dataclasses.replace(timeline(graph, accounted, sched.sizes(), sched.tensor_of),
-                                host=host)
+    # Companions that outlive their buffer count in that buffer's role.
+    tensor_of = {**sched.tensor_of, **{held: b for held, (b, _) in sched.companions().items()}}
+    after = dataclasses.replace(timeline(graph, accounted, sched.sizes(), tensor_of), host=host)
     return before, after
 
 
