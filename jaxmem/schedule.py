@@ -248,7 +248,9 @@ class Schedule:
             steps.append(simulate.Step(op=ev.op, alloc=alloc, free=tuple(frees.get(i, [])) + tuple(dead),
                                        label=label))
         for held, (b, freed_at) in self.companions().items():
-            made = next(i for i, s in enumerate(steps) if b in s.alloc)
+            made = next((i for i, s in enumerate(steps) if b in s.alloc), None)
+            if made is None:  # never allocated (nothing to hold)
+                continue
             steps[made] = dataclasses.replace(steps[made], alloc=steps[made].alloc + (held,))
             at = freed_at + 1  # steps[0] allocates the inputs
             steps[at] = dataclasses.replace(steps[at], free=steps[at].free + (held,))
