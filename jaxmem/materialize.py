@@ -326,7 +326,9 @@ def companion_bytes(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int],
     pool input recomputed in the backward pass (under a checkpoint) is charged
     nothing: its zeros are made and dropped there. This is the plain step's
     charge; a plan's schedule changes it (``Schedule._companion_sizes``: with
-    re-issues XLA makes the copy just before the scatter).
+    re-issues XLA makes the copy just before the scatter where the zeros come
+    out of another ReLU's fusion; ``Schedule.companions``: they outlive a
+    re-issued buffer).
     """
     extra: dict[int, int] = {}
     producers = {ids[v]: e for e in jaxpr.eqns for v in e.outvars if _is_var(v)}

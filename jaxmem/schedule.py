@@ -143,7 +143,9 @@ class Schedule:
         return out
 
     def _aligned(self, t: int) -> int:
-        return -(-self.view.bytes[t] // self.view.alignment) * self.view.alignment
+        from jaxmem.simulate import aligned  # imported lazily, as in steps()
+
+        return aligned(self.view.bytes[t], self.view.alignment)
 
     def _companion_sizes(self) -> dict[int, int]:
         """Sizes of the originals charged companions (``View.extra_bytes``), in a plan with re-issues.

@@ -91,6 +91,11 @@ def alignment_bytes(target: str) -> int:
     return 64 if str(target).lower() == "cpu" else 256
 
 
+def aligned(nbytes: int, alignment: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``alignment`` (a temporary's place in the heap)."""
+    return -(-nbytes // alignment) * alignment
+
+
 def buffer_sizes(graph: MemGraph) -> dict[int, int]:
     """Bytes each tensor takes in the simulation: temporaries rounded up to the heap alignment.
 
@@ -108,7 +113,7 @@ def buffer_sizes(graph: MemGraph) -> dict[int, int]:
         if t.producer is None or t.id in outs or t.id in into_args or t.bytes == 0:
             sizes[t.id] = t.bytes + t.extra_bytes
         else:
-            sizes[t.id] = -(-t.bytes // align) * align + t.extra_bytes
+            sizes[t.id] = aligned(t.bytes, align) + t.extra_bytes
     return sizes
 
 
