@@ -216,9 +216,13 @@ LAYOUT_PRIMITIVES = frozenset({"transpose", "reshape", "squeeze", "expand_dims",
 
 # Elementwise ops that, with one array operand (the others literals), the
 # simplifier folds into their readers (negations and constant scalings move
-# across reductions and dots).
+# across reductions and dots). Not ``max``/``min`` with a literal (a ReLU): nothing
+# is rewritten across them, and walking past a ReLU made a re-issue tie its input,
+# the pre-activation sum of a residual block, which XLA then wrote in the forward
+# pass and read back to recompute the ReLU, next to the kept output (ResNet-50:
+# 4 GB more traffic per step, BENCHMARKS §15).
 _ONE_OPERAND_ARITHMETIC = frozenset({"neg", "mul", "div", "add", "sub", "integer_pow",
-                                     "add_any", "max", "min", "abs"})
+                                     "add_any", "abs"})
 
 # Producers that absorb a transpose of their result (see _Interpreter._folds_layout).
 _LAYOUT_FOLDING = frozenset({"dot_general", "conv_general_dilated"})
