@@ -98,6 +98,8 @@ class Program:
         the checkpoint is differentiated with ``prevent_cse``).
       remat_policies: the distinct policies of the step's ``jax.checkpoint`` calls,
         at any depth (scan bodies included), in the order first met.
+      modules: per equation, the Flax (or ``jax.named_scope``) module path it was
+        traced in, transforms stripped (``"Llama/layer_3/query"``; ``""`` outside any).
     """
 
     jaxpr: jcore.ClosedJaxpr
@@ -112,6 +114,7 @@ class Program:
     in_paths: tuple[str, ...] = ()
     remat_barriers: tuple[tuple[Any, ...], ...] = ()
     remat_policies: tuple[Any, ...] = ()
+    modules: tuple[str, ...] = ()
 
     @property
     def eqns(self) -> list[jcore.JaxprEqn]:
@@ -518,7 +521,8 @@ def trace(fn: Callable[..., Any], *args: Any, static_argnums: Sequence[int] | in
         jaxpr=flat, phases=tag_phases(eqns), in_roles=tuple(roles), donated=donated,
         in_tree=traced.in_tree, out_tree=traced.out_tree, in_shardings=shardings,
         sources=sources, remat_scopes=scopes, in_paths=paths, remat_barriers=barriers,
-        remat_policies=remat_policies(traced.jaxpr.jaxpr))
+        remat_policies=remat_policies(traced.jaxpr.jaxpr),
+        modules=tuple(module_path(e.source_info.name_stack) for e in eqns))
     logger.debug("traced %s: %d equations, %d inputs (%d donated)",
                  getattr(fn, "__name__", fn), len(eqns), n_in, sum(donated))
     return program

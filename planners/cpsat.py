@@ -64,7 +64,7 @@ repeatable),
 layers), ``min_decision_bytes`` (buffers smaller than this are always kept;
 default ``budget / 2000``: fewer variables, little memory left on the table),
 ``heuristics`` (``("greedy", "chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch",
-"keep_matmuls_fit")``:
+"keep_matmuls_fit", "blocks")``:
 registered planners whose plans warm-start the solver and compete with its plan;
 ``order_dfs`` / ``order_bfs`` may be added, at a cost of seconds to minutes on large graphs),
 ``verify_budget_bytes`` (None; set by the verify loop, see above).
@@ -103,7 +103,7 @@ DEFAULTS: dict[str, Any] = {
     "reserve_bytes": 0, "host_budget_bytes": 64 << 30, "deterministic": True,
     "tie_blocks": False, "min_decision_bytes": None,
     "heuristics": ("greedy", "chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch",
-                   "keep_matmuls_fit"),
+                   "keep_matmuls_fit", "blocks"),
     "verify_budget_bytes": None, "bitwise": True,
 }
 # Options other callers pass to every planner (jaxmem.Config.planner_options); accepted, unused.
@@ -175,7 +175,8 @@ def _heuristic_options(name: str, opts: dict[str, Any]) -> dict[str, Any] | None
     if name == "greedy":
         return {"allow_remat": opts["allow_remat"], "allow_offload": opts["allow_offload"],
                 "host_budget_bytes": opts["host_budget_bytes"], "time_limit_s": share}
-    if name in ("chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch", "keep_matmuls_fit"):
+    if name in ("chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch", "keep_matmuls_fit",
+                "blocks"):
         return {"bitwise": opts["bitwise"]} if opts["allow_remat"] else None
     if name in ("order_bfs", "order_dfs"):
         return {"fine_tune_s": share} if opts["allow_reorder"] else None

@@ -120,7 +120,7 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     for t, closure in closures.items():
         if t in cheap_set or not reissuable(graph, t):
             continue
-        if any(_makes_matmul(graph, u) for u in closure):
+        if any(makes_matmul(graph, u) for u in closure):
             cost[t] = sum(op_time_s(graph, cost_model, graph.tensors[u].producer)
                           for u in closure)
     ratio = {t: cost[t] / max(1, graph.tensors[t].bytes) for t in cost}
@@ -186,8 +186,8 @@ def _cheap(graph: MemGraph, closures: Mapping[int, Any], batched: bool) -> list[
     residual stream ``h + f(h)`` stays: recomputing it would keep the matmul
     output ``f(h)`` alive instead, or recompute the matmul.)
     """
-    return [t for t, closure in closures.items() if not _makes_matmul(graph, t, batched)
-            and not any(_makes_matmul(graph, u, batched) for u in closure)]
+    return [t for t, closure in closures.items() if not makes_matmul(graph, t, batched)
+            and not any(makes_matmul(graph, u, batched) for u in closure)]
 
 
 def _kept_note(graph: MemGraph, res: Any, remat: Mapping[int, Any], cheap: list[int]) -> str:
@@ -203,7 +203,7 @@ def keep_matmuls_no_batch(graph: MemGraph, budget_bytes: int, cost_model: CostMo
     return keep_matmuls(graph, budget_bytes, cost_model, options, batched=False)
 
 
-def _makes_matmul(graph: MemGraph, tensor: int, batched: bool = True) -> bool:
+def makes_matmul(graph: MemGraph, tensor: int, batched: bool = True) -> bool:
     """Whether ``tensor`` is made by a matmul the plan keeps (with batch dims if ``batched``)."""
     producer = graph.tensors[tensor].producer
     if producer is None or graph.ops[producer].primitive not in MATMUL_PRIMITIVES:

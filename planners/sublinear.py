@@ -412,9 +412,14 @@ def forward_cuts(graph: MemGraph, res: Residuals) -> tuple[tuple[int, frozenset[
 
 
 def profile(graph: MemGraph, res: Residuals, cost_model: CostModel, *,
-            small_fraction: float = 0.01, short_lifetime: int = 2) -> Profile:
-    """Profile the forward pass: residual costs, forced keeps, cuts and candidate cuts."""
-    biggest = max((graph.tensors[t].bytes for t in res.tensors), default=0)
+            small_fraction: float = 0.01, short_lifetime: int = 2,
+            among: Iterable[int] | None = None) -> Profile:
+    """Profile the forward pass: residual costs, forced keeps, cuts and candidate cuts.
+
+    ``small_fraction`` is of the largest residual in ``among`` (default: all of them).
+    """
+    biggest = max((graph.tensors[t].bytes for t in (res.tensors if among is None else among)),
+                  default=0)
     recomputed = statistics(graph) if res.fused else frozenset()
     recompute, lifetime, forced = {}, {}, set()
     for t in res.tensors:
