@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import hypothesis
 import hypothesis.strategies as st
@@ -345,3 +346,27 @@ def test_reissues_read_a_kept_relu_output_not_its_pre_activation():
     assert tied, "expected the re-issues to read their inputs through barriers"
     assert not relu_inputs & set(tied), "a pre-activation sum was tied instead of its ReLU"
     assert _leaves_equal(jax.jit(emit.emit(g, plan))(*args), jax.jit(fn)(*args))
+
+
+def _param_copies(zs, graph, plan) -> int:
+    text = jax.jit(emit.emit(graph, plan), donate_argnums=zs.donate_argnums).lower(
+        *targets.get("h100").place(zs.args)).compile().as_text()
+    return len(re.findall(r"\} copy\(%args_0___params", text))
+
+
+def test_updates_follow_the_last_read_of_the_donated_weights(monkeypatch):
+    """XLA copies a donated weight it cannot prove is read before its in-place update.
+
+    A planned step ties each update's weight to the weight's last reader, so no
+    copy is needed (mlp bench, ``blocks``: 192 MiB compiled instead of 199).
+    """
+    from jaxmem.planners.blocks import blocks
+
+    zs = zoo.build("mlp", "tiny", step="train")
+    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,
+                    arg_roles=zs.arg_roles, target="h100")
+    plan = blocks(g, 10**12, CostModel.for_target("h100"))
+    assert plan.remat
+    assert _param_copies(zs, g, plan) == 0
+    monkeypatch.setattr(emit._Interpreter, "_last_reads", lambda self: {})
+    assert _param_copies(zs, g, plan) > 0, "expected XLA to copy the weights without the ties"
