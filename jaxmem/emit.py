@@ -597,14 +597,19 @@ class _Interpreter:
         return results
 
     def _last_reads(self) -> dict[int, list[int]]:
-        """Donated input -> indices of the events before the update phase that read it."""
+        """Donated input -> indices of the backward pass's events that read it.
+
+        Forward readers are left out: tying one of their outputs would keep that
+        activation alive until the update, at the end of the backward pass (GPT-2's
+        biases, read by the forward pass only: six 48 MiB sums held, +288 MiB).
+        """
         view, events = self.view, self.schedule.events
         if all(ev.kind == "op" for ev in events):
             return {}  # nothing re-issued or moved: XLA orders the step as in the plain one
         donated = tuple(self.program.donated or ())
         reads: dict[int, list[int]] = {}
         for i, ev in enumerate(events):
-            if ev.op is None or view.phases[ev.op] == "update":
+            if ev.op is None or view.phases[ev.op] != "backward":
                 continue
             for r in dict.fromkeys(ev.reads):
                 if r is not None and r < min(view.n_inputs, len(donated)) and donated[r]:
