@@ -117,7 +117,7 @@ def blocks(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     modules = getattr(graph.program, "modules", ()) or ()
     if len(modules) != len(graph.ops):
         modules = ("",) * len(graph.ops)
-    depth, found = find_blocks(modules, forward, [op.primitive for op in graph.ops])
+    _, found = find_blocks(modules, forward, [op.primitive for op in graph.ops])
     if not found:
         note = ("no repeated blocks: the step's equations carry no module paths with "
                 "repeated children (plain JAX without jax.named_scope, or no repeated "

@@ -15,7 +15,6 @@ from jaxmem.costmodel import CostModel
 from jaxmem.graph import build_graph
 from jaxmem.planners.blocks import find_blocks
 from jaxmem.planners.matmuls import MATMUL_PRIMITIVES
-from jaxmem.planners.sublinear import find_residuals
 
 COST = CostModel.for_target("h100")
 
@@ -87,4 +86,4 @@ def test_cpsat_scores_the_blocks_plan_among_its_heuristics():
     _, g = _zoo_graph("resnet50")
     plan = registry.get("cpsat").fn(g, 10**12, COST, {"time_limit_s": 5, "heuristics": "blocks"})
     assert any(n.startswith("heuristic 'blocks'") for n in plan.notes)
-    assert find_residuals(g).tensors  # the step has residuals to plan
+    assert any(n.startswith("candidate blocks:") for n in plan.notes)
