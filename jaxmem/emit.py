@@ -44,7 +44,12 @@ dependencies through ``jax.lax.optimization_barrier``:
 * **order**: equations are emitted in the plan's order; ops whose results
   only reach the step's outputs a few ops later (weight gradients, optimizer
   updates) are tied into the next op of the main chain, so XLA's GPU
-  scheduler cannot push them (and the buffers they read) to the end.
+  scheduler cannot push them (and the buffers they read) to the end;
+* **in-place updates**: in a step with re-issues or copies, an update reads the
+  donated weight it overwrites through a barrier with the output of the
+  weight's last backward reader, so XLA can prove every read comes first and
+  updates the weight in place instead of copying it
+  (:meth:`_Interpreter._after_last_read`).
 
 Only values XLA really allocates are tied (a barrier on a fused value would
 force it into memory). A barrier or a host copy also hides a value's producer
