@@ -630,10 +630,10 @@ class _Interpreter:
         barriers leave the reads unordered (mlp bench, ``blocks``: fifteen 1 MiB
         weight copies, 199 MiB compiled; 192 MiB with the ties, where ``full``'s
         step takes 193). Reading the input through a barrier with the last
-        reader's output orders it. The
-        tie goes on the last reader whose output XLA allocates and the simplifier
-        does not look through (a matmul's, a reduction's): a barrier on a fused
-        value would make it a buffer and change the sums it feeds.
+        reader's output orders it. The tie goes on the last reader whose output
+        XLA allocates and the simplifier does not look through (a matmul's, a
+        reduction's): a barrier on a fused value would make it a buffer and
+        change the sums it feeds.
         """
         if self.view.phases[op_event.op] != "update":  # type: ignore[index]
             return
@@ -649,16 +649,19 @@ class _Interpreter:
         """A value computed by event ``i`` (or, where a reader folds that into itself, by
         the first op after it that reads it, before event ``j``) that a barrier may tie."""
         events = self.schedule.events
+
+        def buffer(x: int | None) -> bool:
+            return x is not None and x in env and self._real(x) and self._opaque(x)
+
         for w in events[i].writes:
-            if w is None or w not in env or not self._real(w) or not self._opaque(w):
+            if not buffer(w):
                 continue
-            if not self._folded_into_reader(w):
+            if not self._folded_into_reader(w):  # type: ignore[arg-type]
                 return w
             for k in range(i + 1, j):
                 if events[k].kind == "op" and w in events[k].reads:
-                    return next((x for x in events[k].writes if x is not None and x in env
-                                 and self._real(x) and self._opaque(x)
-                                 and not self._folded_into_reader(x)), None)
+                    return next((x for x in events[k].writes
+                                 if buffer(x) and not self._folded_into_reader(x)), None)
         return None
 
     def _folded_into_reader(self, version: int) -> bool:

@@ -114,7 +114,7 @@ def blocks(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     started = time.perf_counter()
     res = find_residuals(graph, fused=fused_segments(graph, opts["bitwise"]))
     forward = [op for op in res.order if graph.ops[op].phase == "forward"]
-    modules = getattr(graph.program, "modules", ()) or ()
+    modules = graph.program.modules  # empty for programs built without trace()
     if len(modules) != len(graph.ops):
         modules = ("",) * len(graph.ops)
     _, found = find_blocks(modules, forward, [op.primitive for op in graph.ops])
