@@ -26,6 +26,9 @@ bytes that never existed. The rules here, and the evidence behind them, are in
 8. Max-pool gradients allocate argmax coordinates, and zeros merged with a
    ReLU's (:func:`companion_bytes`).
 9. Loop and branch bodies are analysed as programs of their own.
+10. An elementwise value of two or more large buffers (a residual stream's
+    sum) that a reduction reads, and other kernels too, is a buffer: the
+    reduction's fusion writes it as a second output.
 
 An activation converted for a matmul (mixed precision) is converted inside
 the GEMM kernel (rule 2's exception).
@@ -234,9 +237,21 @@ def decide(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], producer: Sequence[int | 
             if not identity_outs:
                 consumers[r].add(i)
 
-    # 2. Which class representatives are buffers (rules 1-3).
+    # 2. Which class representatives are buffers (rules 1-3, 10).
     materialized = [False] * n
     alias: list[int | None] = [None] * n
+    nbytes = _tensor_bytes(jaxpr, ids, n)
+    reduced = _read_by_reduction(eqns, ids, rep, consumers, nbytes)
+    reads: dict[int, frozenset[int]] = {}  # buffers a fused value is computed from, so far
+
+    def buffers_read(eqn: jcore.JaxprEqn) -> frozenset[int]:
+        out: set[int] = set()
+        for v in eqn.invars:
+            if _is_var(v):
+                r = rep[ids[v]]
+                out |= {r} if materialized[r] or producer[r] is None else reads.get(r, {r})
+        return frozenset(out)
+
     for t in range(n):
         if rep[t] != t:
             continue
@@ -258,6 +273,16 @@ def decide(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], producer: Sequence[int | 
                  and not (gemm_fusible and eqns[c].primitive.name in GEMMS)
                  for c in consumers[t]):
             materialized[t] = True
+        else:
+            sources = buffers_read(eqn)
+            # Rule 10: a sum of two large buffers (a residual stream) that a reduction
+            # reads and other kernels read too is written out by the reduction's fusion.
+            large = [b for b in sources if 2 * nbytes[b] >= nbytes[t] > 0]
+            if prim in ELEMENTWISE and len(large) >= 2 and reduced[t] \
+                    and len(consumers[t]) >= 2:
+                materialized[t] = True
+            else:
+                reads[t] = sources
     # A transpose of a buffer that only matmuls read is read in place (cuBLAS takes either
     # layout); it views that buffer.
     for t in range(n):
@@ -296,6 +321,59 @@ def decide(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], producer: Sequence[int | 
             else:
                 srcs[t] = reads
     return Decision(tuple(materialized), tuple(alias), tuple(srcs))
+
+
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                        "reduce_or", "reduce_xor", "argmax", "argmin", "reduce"})
+
+
+def _tensor_bytes(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], n: int) -> list[int]:
+    """Bytes of every tensor id (0 where the dtype has no fixed item size)."""
+    out = [0] * n
+    atoms = list(jaxpr.invars) + list(jaxpr.constvars) + [
+        v for e in jaxpr.eqns for v in e.outvars]
+    for v in atoms:
+        if _is_var(v) and v in ids:
+            try:
+                out[ids[v]] = math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
+            except (TypeError, AttributeError):
+                pass  # tokens, key arrays: never a fused sum
+    return out
+
+
+def _read_by_reduction(eqns: Sequence[jcore.JaxprEqn], ids: Mapping[Any, int],
+                       rep: Sequence[int], consumers: Sequence[set[int]],
+                       nbytes: Sequence[int]) -> list[bool]:
+    """Per identity class: does a reduction read it through a chain XLA fuses into it.
+
+    The chain is elementwise over the value's own shape and reads nothing else
+    as large (a norm's convert and square; not a mask applied to a gradient).
+    """
+    n = len(nbytes)
+    reduced = [False] * n
+    for i in range(len(eqns) - 1, -1, -1):
+        for v in eqns[i].outvars:
+            if not _is_var(v) or rep[ids[v]] != ids[v]:
+                continue
+            t = ids[v]
+            for c in consumers[t]:
+                eqn = eqns[c]
+                prim = eqn.primitive.name
+                if prim in REDUCTIONS:
+                    reduced[t] = True
+                    break
+                outs = [ids[o] for o in eqn.outvars if _is_var(o)]
+                if prim in ELEMENTWISE and len(outs) == 1 and reduced[rep[outs[0]]] and \
+                        _same_size(v.aval, eqn.outvars[0].aval) and all(
+                            2 * nbytes[ids[u]] < nbytes[t] for u in eqn.invars
+                            if _is_var(u) and rep[ids[u]] != t):
+                    reduced[t] = True
+                    break
+    return reduced
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    return math.prod(getattr(a, "shape", ())) == math.prod(getattr(b, "shape", ()))
 
 
 def _aval_of(eqn: jcore.JaxprEqn, ids: Mapping[Any, int], t: int) -> Any:

@@ -173,6 +173,31 @@ def test_mixed_precision_converts_fuse_into_the_matmul():
     assert _tensor(g, "dot_general").id in second.mem_inputs  # reads the f32 scores
 
 
+def test_a_residual_sum_a_norm_reads_is_written_by_the_norms_reduction():
+    """Rule 10: XLA writes a sum of two large buffers out of the norm's reduce fusion
+    when other kernels read it too (Llama's ``x + attention``: ``input_add_reduce_fusion{1}``);
+    a product only a reduction reads, or a value of one large buffer, stays fused."""
+    def f(x, a, w):
+        s = x + a                                               # the residual stream
+        h = s * jax.lax.rsqrt(jnp.mean(s * s, -1, keepdims=True))
+        p = (x * a).sum()                                       # read by the reduction only
+        q = 2 * x                                               # one large source
+        return jnp.sum((s + h @ w) ** 2) + p + jnp.sum(q) + jnp.sum(q * q @ w)
+
+    g = build_graph(f, jnp.ones((16, 8)), jnp.ones((16, 8)), jnp.ones((8, 8)))
+    adds = [g.tensors[op.outputs[0]] for op in g.ops
+            if op.primitive == "add" and op.phase == "forward"
+            and g.tensors[op.outputs[0]].shape == (16, 8)]
+    assert adds[0].materialized                 # x + a
+    products = [g.tensors[op.outputs[0]] for op in g.ops if op.primitive == "mul"
+                and g.tensors[op.outputs[0]].shape == (16, 8)]
+    x_times_a = next(t for t in products if set(g.ops[t.producer].inputs) == {0, 1})
+    assert not x_times_a.materialized
+    doubled = next(g.tensors[op.outputs[0]] for op in g.ops if op.primitive == "mul"
+                   and 0 in op.inputs and len(op.inputs) == 1)
+    assert not doubled.materialized
+
+
 def test_checkpoint_barrier_inputs_are_buffers():
     def step(w, x):
         @jax.checkpoint

@@ -393,12 +393,13 @@ def test_a_slower_fitting_alternative_gets_one_more_round(monkeypatch):
     from jaxmem import plan as plan_lib
     from jaxmem.planners import greedy
 
-    budgets = []
+    budgets, everything = [], []
     real = _charge(monkeypatch, lambda n, dev: dev + (1000 if n == 1 else 0))
 
     def planner(g, budget, cost_model, options):
         budgets.append(budget)
         every = greedy.split_every(g, cost_model, "remat")
+        everything.append(len(every.remat))
         slow = every.replace(predicted_peak_bytes=plan_lib.simulate_plan(g, every).peak_bytes,
                              predicted_time_s=2.0, notes=("alternative: everything re-issued",))
         one = dict(list(every.remat.items())[:1])
@@ -416,7 +417,9 @@ def test_a_slower_fitting_alternative_gets_one_more_round(monkeypatch):
     rounds = verified.rounds
     assert len(budgets) == 2 and budgets[1] < budgets[0] == plain
     assert [r.compiled_bytes <= plain for r in rounds] == [False, True, True]
-    assert [len(r.plan.remat) for r in rounds[1:]] == [9, 1]  # the alternative, then round 3
+    # The alternative (everything re-issued), then round 3's plan (one re-issue).
+    assert everything[0] > 1
+    assert [len(r.plan.remat) for r in rounds[1:]] == [everything[0], 1]
     # Both fitting plans were ranked by compiled time (which one is faster is the
     # ranking's business: test_alternatives_are_compiled_and_the_fastest_fitting_plan_is_kept).
     assert any(n.startswith("ranked 2 fitting plans") for n in verified.plan.notes)
