@@ -58,7 +58,7 @@ from jaxmem.graph import MemGraph
 from jaxmem.planners._registry import register
 from jaxmem.planners.matmuls import makes_matmul
 from jaxmem.planners.sublinear import (Residuals, check_options, find_residuals, finish,
-                                       fused_segments, profile, remat_points)
+                                       forward_cuts, fused_segments, profile, remat_points)
 
 logger = logging.getLogger(__name__)
 
@@ -135,22 +135,29 @@ def blocks(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
 
 def _kept(graph: MemGraph, res: Residuals, cost_model: CostModel, forward: list[int],
           found: list[tuple[str, list[int]]], opts: Mapping[str, Any]) -> frozenset[int]:
-    """Block inputs, residuals made outside blocks, ``save``'s matmuls, and the forced keeps.
+    """Block inputs and outputs, residuals made outside blocks, ``save``'s matmuls, forced keeps.
 
     The forced keeps are :func:`~jaxmem.planners.sublinear.profile`'s, with
-    "small" measured against the largest residual made inside a block: a loss
-    head's logits (GPT-2, Llama: 1% of them is larger than a layer's
-    projections) must not make every projection small.
+    "small" measured against the largest buffer kept at a block boundary: a
+    loss head's logits, or a layer's attention matrix (1% of Llama's 4 GiB
+    f32 exponential is 41 MiB), must not make a layer's projections small
+    (keeping Llama's 16 MiB keys and values cost 512 MiB over 16 layers).
     """
     in_block = {op for _, ops in found for op in ops}
-    inside = [t for t in res.tensors if graph.tensors[t].producer in in_block]
-    prof = profile(graph, res, cost_model, small_fraction=opts["small_fraction"],
-                   short_lifetime=opts["short_lifetime"], among=inside)
     starts = {ops[0] for _, ops in found}
-    keep = set(prof.forced)
-    for i, op in enumerate(forward):
-        if op in starts and i > 0:
-            keep |= prof.cuts[i - 1][1]
+    last = found[-1][1][-1]
+    cuts = forward_cuts(graph, res)
+    # The cut at each block's start (its input) and after the last block: its output,
+    # which a loss head reads. Re-issued, it would recompute the last block before the
+    # loss head's backward pass, beside the head's buffers (Llama: an 8 GiB logits
+    # gradient that XLA allocates early). jax.checkpoint keeps it too.
+    boundary = set().union(*(cuts[i - 1][1] for i, op in enumerate(forward)
+                             if op in starts and i > 0),
+                           *(cuts[i][1] for i, op in enumerate(forward) if op == last))
+    prof = profile(graph, res, cost_model, small_fraction=opts["small_fraction"],
+                   short_lifetime=opts["short_lifetime"], among=boundary or None)
+    keep = set(prof.forced) | boundary
+    for op in forward:
         if op not in in_block:
             keep |= {t for t in graph.ops[op].outputs if res.is_buffer(graph, t)}
     if opts["save"] != "nothing":

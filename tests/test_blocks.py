@@ -57,6 +57,30 @@ def test_keeps_block_inputs_and_recomputes_inside_blocks(model):
     assert max(plan.predicted_peak_bytes, dots.predicted_peak_bytes) < plain
 
 
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_a_transformer_keeps_one_residual_stream_per_layer(model):
+    """What ``jax.checkpoint`` around each layer keeps: the stream between layers (a sum
+    XLA writes out of the next norm's reduction), the last layer's output too, and no
+    projection: neither a matmul that feeds the stream's sum nor a key or value, which
+    are small beside a layer's attention matrix but not beside the stream."""
+    _, g = _zoo_graph(model)
+    plan = registry.get("blocks").fn(g, 10**12, COST, {"bitwise": False})
+    _, found = find_blocks(g.program.modules, [o.id for o in g.ops if o.phase == "forward"],
+                           [o.primitive for o in g.ops])
+    inside = {op for _, ops in found for op in ops}
+    from jaxmem.planners.sublinear import find_residuals
+    kept = [t for t in find_residuals(g, fused=True).tensors
+            if g.tensors[t].producer in inside and t not in plan.remat]
+    assert len(kept) == len(found)
+    stream = g.tensors[kept[0]].shape
+    assert all(g.ops[g.tensors[t].producer].primitive == "add"
+               and g.tensors[t].shape == stream for t in kept)
+    # The last one is the last layer's output, read by the final norm.
+    last = max(found[-1][1])
+    assert any(g.tensors[t].producer <= last and any(
+        c > last for c in g.tensors[t].consumers) for t in kept)
+
+
 def test_a_step_without_module_paths_gets_no_remat_and_says_why():
     def loss(ws, x):
         for w in ws:
