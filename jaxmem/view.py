@@ -28,16 +28,19 @@ NEVER_REISSUED = frozenset({
     "psum_invariant",
 })
 
-# A fused value read by two or more ops, one of them a reduction, is kept in
+# A fused value read by several ops, one of them a reduction, is kept in
 # memory by XLA rather than recomputed inside each reader (seen in the CPU HLO
 # of the zoo's resnet50 and gpt2: a ReLU-gradient select read by three
-# reductions); XLA's CPU compiler keeps every fused value with two or more
-# readers. The view counts such values as buffers: re-issuing them for late
+# reductions; on the GPU see _written_by_reduction); XLA's CPU compiler keeps
+# every fused value with two or more readers. The view counts such values as buffers: re-issuing them for late
 # readers instead would hand XLA a different fusion problem, and a reduction
 # fused differently may add in another order (results no longer bitwise equal).
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                         "reduce_or", "argmax", "argmin", "cumsum", "cumprod", "cummax",
                         "cummin", "cumlogsumexp"})
+# Readers (a reduction among them) of a fused value from which XLA's GPU fusion writes
+# it out rather than recompute it in each (see _build_view).
+MANY_READERS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,8 +185,7 @@ def _build_view(obj: Any) -> View:
         for t, tensor in enumerate(graph.tensors):
             ops = reads.get(t, set())
             if (not materialized[t] and tensor.alias_of is None and len(ops) >= 2
-                    and (on_cpu or any(jaxpr.eqns[k].primitive.name in REDUCTIONS
-                                       for k in ops))):
+                    and (on_cpu or _written_by_reduction(graph, jaxpr, tensor, ops))):
                 materialized[t] = True
         reissuable = [r and getattr(o, "recomputable", True) for r, o in zip(reissuable, graph.ops)]
     outputs = tuple(None if isinstance(a, jcore.Literal) or a in consts else ids[a]
@@ -207,6 +209,25 @@ def _build_view(obj: Any) -> View:
                 buffer_reads=tuple(buffer_reads), itemsize=tuple(itemsize),
                 extra_bytes=tuple(extra), movable_copy_bytes=tuple(movable),
                 alignment=alignment)
+
+
+def _written_by_reduction(graph: Any, jaxpr: Any, tensor: Any, readers: set[int]) -> bool:
+    """Whether XLA's GPU fusion writes a fused value out of the reduction that reads it.
+
+    It does where several kernels read the value (a softmax's exponential: the
+    sum, the normalization and two backward products; the attention
+    exponentials are buffers in the dumps). It recomputes it in each reader
+    where only one other kernel reads it, and where it is larger than the
+    buffers it is computed from (a widening convert). The loss heads are both:
+    Llama's 8 GiB float32 logits and their exponential, from 4 GiB of
+    bfloat16 logits, and GPT-2's 3 GiB float32 exponential are no buffers in
+    the dumps.
+    """
+    if len(readers) < MANY_READERS or not any(
+            jaxpr.eqns[k].primitive.name in REDUCTIONS for k in readers):
+        return False
+    sources = graph.ops[tensor.producer].mem_inputs if tensor.producer is not None else ()
+    return tensor.bytes <= sum(graph.tensors[b].bytes for b in sources)
 
 
 def _movable_copies(graph: Any, jaxpr: Any) -> list[int]:

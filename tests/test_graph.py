@@ -198,6 +198,41 @@ def test_a_residual_sum_a_norm_reads_is_written_by_the_norms_reduction():
     assert not doubled.materialized
 
 
+def test_a_planned_step_counts_a_softmax_exponential_as_a_buffer_but_not_a_loss_heads():
+    """The view of a GPU step: an exponential that a sum, a normalization and the backward
+    pass read is written out of the sum's fusion (the attention exponentials in the dumps);
+    a loss head's, read by its sum and one backward product, and a widening convert are
+    recomputed in their readers (Llama's and GPT-2's heads: no buffer of them in the dumps)."""
+    from jaxmem import plan as plan_lib
+
+    def loss(w, x, labels):
+        s = x @ w
+        p = jnp.exp(s - s.max(-1, keepdims=True))
+        a = (p / p.sum(-1, keepdims=True)) @ w                      # attention-like
+        logits = (a @ w).astype(jnp.bfloat16).astype(jnp.float32)  # widened for the loss
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.take_along_axis(logp, labels[:, None], -1).sum()
+
+    args = jnp.ones((16, 16)), jnp.ones((8, 16)), jnp.zeros((8,), jnp.int32)
+    g = build_graph(jax.grad(loss), *args, target="h100")
+    v = plan_lib.view(g)
+    exps = [t for t in g.tensors if t.producer is not None
+            and g.ops[t.producer].primitive == "exp" and t.shape == (8, 16)]
+    readers = {t.id: sum(t.id in op.inputs for op in g.ops) for t in exps}
+    many = [t for t in exps if readers[t.id] >= 3]
+    two = [t for t in exps if readers[t.id] == 2]
+    assert many and two
+    assert all(not t.materialized and v.materialized[t.id] for t in many)
+    assert all(not v.materialized[t.id] for t in two)
+    widened = [t for t in g.tensors if t.producer is not None
+               and g.ops[t.producer].primitive == "convert_element_type"
+               and str(t.dtype) == "float32" and t.shape == (8, 16)]
+    assert widened and all(not v.materialized[t.id] for t in widened)
+    # XLA's CPU compiler keeps every fused value with two readers or more.
+    cpu = plan_lib.view(build_graph(jax.grad(loss), *args, target="cpu"))
+    assert all(cpu.materialized[t.id] for t in two)
+
+
 def test_checkpoint_barrier_inputs_are_buffers():
     def step(w, x):
         @jax.checkpoint
