@@ -291,8 +291,9 @@ def remat_keeps_fusion(graph: Any, tensor: int, point: int,
     same bits, but a reduction that read a buffer and now reads a fused
     producer may add in another order, so the planned step would no longer be
     bitwise equal to the plain one (seen on the CPU: a bias gradient's
-    ``reduce_sum`` fused with the ReLU mask). Offloading never has this problem:
-    the device-to-host copy keeps the first copy a buffer and the prefetch is one.
+    ``reduce_sum`` fused with the ReLU mask). Offloading has this problem only
+    for the values :func:`copy_keeps_fusion` names: otherwise the device-to-host
+    copy keeps the first copy a buffer and the prefetch is one.
     A reduction whose inputs are fused is never re-issued for the same reason.
     """
     from jaxmem import materialize as mat
@@ -317,3 +318,30 @@ def remat_keeps_fusion(graph: Any, tensor: int, point: int,
             p in mat.ELEMENTWISE or p in mat.LAYOUT for p in side)
 
     return stays(early) and stays(late)
+
+
+def copy_keeps_fusion(graph: Any, tensor: int) -> bool:
+    """Whether a copy of ``tensor`` to host leaves the plain step's bits as they were.
+
+    Not for a 16-bit value of elementwise arithmetic (Llama's residual sum
+    ``x + attention``, a buffer by rule 10 of ``docs/materialization.md``): XLA
+    computes it inside each reader's fusion in excess precision and rounds only
+    what it writes, so the norm's reduction reads it unrounded. A copy is a
+    reader that cannot fuse it: XLA then computes it alone, rounded, for every
+    reader (vDNN's offloads of the four sums changed llama tiny's loss).
+    """
+    from jaxmem import materialize as mat
+
+    t = graph.tensors[tensor]
+    if t.producer is None or _itemsize_of(t) >= 4:
+        return True
+    return graph.ops[t.producer].primitive not in mat.ELEMENTWISE
+
+
+def _itemsize_of(tensor: Any) -> int:
+    import numpy as np
+
+    try:
+        return int(np.dtype(tensor.dtype).itemsize)
+    except TypeError:
+        return 4  # key arrays and tokens: no arithmetic to round

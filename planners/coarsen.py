@@ -246,7 +246,8 @@ def coarsen(graph: Any, budget_bytes: int, cost_model: Any, *, max_nodes: int = 
             rws = sum(tensors[u].bytes for u in chain if u != t) + max(
                 ops[tensors[u].producer].transient_bytes for u in chain)
         can_offload = (allow_offload and big and not output and tensor.producer is not None
-                       and bool(consumers) and tensor.bytes > 0)
+                       and bool(consumers) and tensor.bytes > 0
+                       and plan_lib.copy_keeps_fusion(graph, t))
         items.append(Item(
             size=units(tensor.bytes), producer=home, consumers=consumers, output=output,
             inplace=_partners(graph, t, clusters[home], item_of, keep) if home is not None else (),

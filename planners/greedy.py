@@ -62,7 +62,8 @@ class Candidate:
       readers: the ops that read the buffer, in order.
       remat_s: estimated time to re-issue its producer (None: not allowed, e.g. it
         would change how XLA fuses its readers: ``plan.remat_keeps_fusion``).
-      offload_s: estimated time of the two host copies.
+      offload_s: estimated time of the two host copies; None when a copy would change
+        the step's bits (``plan.copy_keeps_fusion``).
     """
 
     tensor: int
@@ -70,7 +71,7 @@ class Candidate:
     resume: int
     readers: tuple[int, ...]
     remat_s: float | None
-    offload_s: float
+    offload_s: float | None
 
 
 def candidates(graph: Any, cost_model: Any) -> list[Candidate]:
@@ -103,7 +104,8 @@ def candidates(graph: Any, cost_model: Any) -> list[Candidate]:
         if (producer.recomputable and producer.primitive not in plan_lib.NEVER_REISSUED
                 and plan_lib.remat_keeps_fusion(graph, t.id, stops[k])):
             remat_s = cost_model.op_time_s(producer.flops, producer.bytes_accessed, t.dtype)
-        offload_s = (cost_model.copy_time_s(t.bytes, "d2h") + cost_model.copy_time_s(t.bytes, "h2d"))
+        offload_s = (cost_model.copy_time_s(t.bytes, "d2h") + cost_model.copy_time_s(t.bytes, "h2d")
+                     if plan_lib.copy_keeps_fusion(graph, t.id) else None)
         out.append(Candidate(tensor=t.id, bytes=t.bytes, resume=stops[k], readers=tuple(uses),
                              remat_s=remat_s, offload_s=offload_s))
     return out
@@ -165,7 +167,7 @@ def _step_time_s(graph: Any, cost_model: Any, decisions: _Decisions,
                  by_tensor: Mapping[int, Candidate]) -> float:
     base = sum(cost_model.op_time_s(op.flops, op.bytes_accessed) for op in graph.ops)
     extra = sum(by_tensor[t].remat_s or 0.0 for t in decisions.remat)
-    extra += sum(by_tensor[t].offload_s for t in decisions.offload)
+    extra += sum(by_tensor[t].offload_s or 0.0 for t in decisions.offload)
     return base + extra
 
 
@@ -316,7 +318,7 @@ def split_every(graph: Any, cost_model: Any, how: str = "remat") -> plan_lib.Pla
     for c in sorted(candidates(graph, cost_model), key=lambda c: c.tensor):
         if how == "remat" and decisions.can_remat(c):
             decisions.add_remat(c)
-        elif how == "offload":
+        elif how == "offload" and c.offload_s is not None:
             decisions.add_offload(c)
     plan = decisions.plan(0, notes=(f"every candidate split by {how}",))
     return plan.replace(predicted_peak_bytes=plan_lib.simulate_plan(graph, plan).peak_bytes)
@@ -327,7 +329,7 @@ def _cheapest(c: Candidate, decisions: _Decisions, allow_remat: bool, allow_offl
     options = []
     if allow_remat and decisions.can_remat(c):
         options.append(("remat", float(c.remat_s)))  # type: ignore[arg-type]
-    if allow_offload and c.bytes <= host_left:
+    if allow_offload and c.offload_s is not None and c.bytes <= host_left:
         options.append(("offload", c.offload_s))
     return min(options, key=lambda o: o[1]) if options else None
 

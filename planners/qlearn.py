@@ -116,7 +116,7 @@ class _Env:
 
     def plan(self, state: State) -> plan_lib.Plan:
         offload = [t for i, c in enumerate(state) if self.choices[c] == "offload"
-                   for t in self.members[i]]
+                   for t in self.members[i] if plan_lib.copy_keeps_fusion(self.graph, t)]
         remat = [t for i, c in enumerate(state) if self.choices[c] == "remat"
                  for t in self.members[i]]
         r, o = vdnn_decisions(self.graph, self.res, offload, remat)

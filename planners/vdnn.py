@@ -95,15 +95,20 @@ def prefetch_points(graph: MemGraph, res: Residuals, tensors: Iterable[int],
 
 
 def offload_candidates(graph: MemGraph, res: Residuals, which: Which) -> list[int]:
-    """Residuals vDNN offloads: all of them, or those a forward convolution reads."""
+    """Residuals vDNN offloads: all of them, or those a forward convolution reads.
+
+    Never a value whose copy would change the step's bits (``plan.copy_keeps_fusion``).
+    """
     if which == "all":
-        return [t for t in res.tensors if graph.tensors[t].bytes > 0]
+        return [t for t in res.tensors if graph.tensors[t].bytes > 0
+                and plan_lib.copy_keeps_fusion(graph, t)]
     if which != "conv":
         raise ValueError(f"which must be 'all' or 'conv'; got {which!r}")
     conv_inputs = {t for op in res.order if graph.ops[op].phase == "forward"
                    and graph.ops[op].primitive in CONV_PRIMITIVES
                    for t in graph.ops[op].mem_inputs}
-    return [t for t in res.tensors if t in conv_inputs and graph.tensors[t].bytes > 0]
+    return [t for t in res.tensors if t in conv_inputs and graph.tensors[t].bytes > 0
+            and plan_lib.copy_keeps_fusion(graph, t)]
 
 
 def vdnn_decisions(graph: MemGraph, res: Residuals, offload: Iterable[int],

@@ -523,3 +523,27 @@ def test_order_planners_handle_pool_companions(vgg_graph, name):
     assert plan.predicted_peak_bytes == plan_lib.simulate_plan(vgg_graph, plan).peak_bytes
     if name == "order_ilp":
         assert plan.lower_bound is None and any("no proven bound" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("name", ["vdnn_all", "vdnn_dynamic", "qlearn"])
+def test_offloads_of_a_bf16_step_keep_its_bits(name):
+    """A 16-bit residual sum is a buffer (rule 10) but XLA computes it in excess precision
+    inside its readers' fusions; a copy to host would make XLA compute it alone, rounded,
+    and change the loss. Offloading planners leave it on the device (plan.copy_keeps_fusion),
+    and the emitted step of the bf16 llama computes the plain step's bits on the CPU."""
+    import jaxmem.models as zoo
+    from jaxmem import emit as emit_lib
+
+    zs = zoo.build("llama", "tiny", step="train")
+    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,
+                    arg_roles=zs.arg_roles, target="cpu")
+    sums = [t.id for t in g.tensors if t.producer is not None and t.materialized
+            and g.ops[t.producer].primitive == "add" and str(t.dtype) == "bfloat16"
+            and g.ops[t.producer].phase == "forward"]
+    assert sums and not any(plan_lib.copy_keeps_fusion(g, t) for t in sums)
+    plan = registry.get(name).fn(g, _peak(g) // 2, CostModel.for_target("cpu"), FAST.get(name, {}))
+    assert plan.offload and not set(plan.offload) & set(sums)
+    inputs = zs.make_args(seed=0)
+    plain = jax.tree_util.tree_leaves(jax.jit(zs.fn)(*inputs))
+    planned = jax.tree_util.tree_leaves(jax.jit(emit_lib.emit(g, plan))(*inputs))
+    assert all(np.array_equal(a, b) for a, b in zip(plain, planned))
