@@ -12,7 +12,8 @@ used.
 What the plan keeps:
 
 - the forward pass's cut at the start of every block (the buffers made before
-  it that later forward ops read: a residual stream, a block's input);
+  it that later forward ops read: a residual stream, a block's input), and
+  after the last block (its output, which a loss head reads);
 - every residual made outside the blocks (a stem, a loss head), as
   ``jax.checkpoint`` around the layers alone would;
 - with ``save="dots"`` (``"dots_no_batch"``), the matmul and convolution
@@ -21,7 +22,7 @@ What the plan keeps:
 - the residuals :func:`~jaxmem.planners.sublinear.profile` always keeps: those
   that cannot be re-issued, are read soon after they are made, take longer to
   recompute than to copy to host and back, or are small (``small_fraction`` of
-  the largest residual made inside a block: a norm's statistics).
+  the largest buffer kept at a block boundary: a norm's statistics).
 
 Everything else a block's backward pass reads is re-issued from those, once,
 before its first backward reader (:func:`~jaxmem.planners.sublinear.remat_points`,
@@ -42,7 +43,7 @@ recomputes nothing and its notes say why. ``cpsat`` uses it as a warm start.
 >>> g = build_graph(jax.grad(loss), [jnp.ones((64, 64))] * 3, jnp.ones((32, 64)))
 >>> plan = blocks(g, 1 << 30, CostModel.for_target("h100"))
 >>> plan.notes[0]
-'3 blocks (layer_0, layer_1, layer_2, ...), save=nothing: 2 buffers kept, 3 tensors re-issued'
+'3 blocks (layer_0, layer_1, layer_2, ...), save=nothing: 3 buffers kept, 3 tensors re-issued'
 """
 
 from __future__ import annotations
