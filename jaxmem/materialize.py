@@ -323,8 +323,9 @@ def decide(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], producer: Sequence[int | 
     return Decision(tuple(materialized), tuple(alias), tuple(srcs))
 
 
-REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
-                        "reduce_or", "reduce_xor", "argmax", "argmin", "reduce"})
+# Reductions XLA fuses an elementwise producer into (an input fusion), for rule 10.
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                         "reduce_or", "reduce_xor", "argmax", "argmin", "reduce"})
 
 
 def _tensor_bytes(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], n: int) -> list[int]:
@@ -359,7 +360,7 @@ def _read_by_reduction(eqns: Sequence[jcore.JaxprEqn], ids: Mapping[Any, int],
             for c in consumers[t]:
                 eqn = eqns[c]
                 prim = eqn.primitive.name
-                if prim in REDUCTIONS:
+                if prim in _REDUCTIONS:
                     reduced[t] = True
                     break
                 outs = [ids[o] for o in eqn.outvars if _is_var(o)]

@@ -32,9 +32,10 @@ NEVER_REISSUED = frozenset({
 # memory by XLA rather than recomputed inside each reader (seen in the CPU HLO
 # of the zoo's resnet50 and gpt2: a ReLU-gradient select read by three
 # reductions; on the GPU see _written_by_reduction); XLA's CPU compiler keeps
-# every fused value with two or more readers. The view counts such values as buffers: re-issuing them for late
-# readers instead would hand XLA a different fusion problem, and a reduction
-# fused differently may add in another order (results no longer bitwise equal).
+# every fused value with two or more readers. The view counts such values as
+# buffers: re-issuing them for late readers instead would hand XLA a different
+# fusion problem, and a reduction fused differently may add in another order
+# (results no longer bitwise equal).
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                         "reduce_or", "argmax", "argmin", "cumsum", "cumprod", "cummax",
                         "cummin", "cumlogsumexp"})

@@ -15,6 +15,7 @@ from jaxmem.costmodel import CostModel
 from jaxmem.graph import build_graph
 from jaxmem.planners.blocks import find_blocks
 from jaxmem.planners.matmuls import MATMUL_PRIMITIVES
+from jaxmem.planners.sublinear import find_residuals
 
 COST = CostModel.for_target("h100")
 
@@ -68,7 +69,6 @@ def test_a_transformer_keeps_one_residual_stream_per_layer(model):
     _, found = find_blocks(g.program.modules, [o.id for o in g.ops if o.phase == "forward"],
                            [o.primitive for o in g.ops])
     inside = {op for _, ops in found for op in ops}
-    from jaxmem.planners.sublinear import find_residuals
     kept = [t for t in find_residuals(g, fused=True).tensors
             if g.tensors[t].producer in inside and t not in plan.remat]
     assert len(kept) == len(found)

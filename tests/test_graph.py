@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxmem import plan as plan_lib
 from jaxmem.graph import analyse, build_graph
 from jaxmem.trace import trace
 
@@ -203,8 +204,6 @@ def test_a_planned_step_counts_a_softmax_exponential_as_a_buffer_but_not_a_loss_
     pass read is written out of the sum's fusion (the attention exponentials in the dumps);
     a loss head's, read by its sum and one backward product, and a widening convert are
     recomputed in their readers (Llama's and GPT-2's heads: no buffer of them in the dumps)."""
-    from jaxmem import plan as plan_lib
-
     def loss(w, x, labels):
         s = x @ w
         p = jnp.exp(s - s.max(-1, keepdims=True))

@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxmem.models as zoo
 import jaxmem.planners as registry
+from jaxmem import emit as emit_lib
 from jaxmem import plan as plan_lib
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import build_graph
@@ -531,9 +533,6 @@ def test_offloads_of_a_bf16_step_keep_its_bits(name):
     inside its readers' fusions; a copy to host would make XLA compute it alone, rounded,
     and change the loss. Offloading planners leave it on the device (plan.copy_keeps_fusion),
     and the emitted step of the bf16 llama computes the plain step's bits on the CPU."""
-    import jaxmem.models as zoo
-    from jaxmem import emit as emit_lib
-
     zs = zoo.build("llama", "tiny", step="train")
     g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,
                     arg_roles=zs.arg_roles, target="cpu")
