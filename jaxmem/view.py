@@ -333,16 +333,8 @@ def copy_keeps_fusion(graph: Any, tensor: int) -> bool:
     """
     from jaxmem import materialize as mat
 
-    t = graph.tensors[tensor]
-    if t.producer is None or _itemsize_of(t) >= 4:
+    producer = graph.tensors[tensor].producer
+    # Item size 0: key arrays and tokens, no arithmetic to round.
+    if producer is None or not 0 < view(graph).itemsize[tensor] < 4:
         return True
-    return graph.ops[t.producer].primitive not in mat.ELEMENTWISE
-
-
-def _itemsize_of(tensor: Any) -> int:
-    import numpy as np
-
-    try:
-        return int(np.dtype(tensor.dtype).itemsize)
-    except TypeError:
-        return 4  # key arrays and tokens: no arithmetic to round
+    return graph.ops[producer].primitive not in mat.ELEMENTWISE

@@ -156,7 +156,7 @@ def _kept(graph: MemGraph, res: Residuals, cost_model: CostModel, forward: list[
                              if op in starts and i > 0),
                            *(cuts[i][1] for i, op in enumerate(forward) if op == last))
     prof = profile(graph, res, cost_model, small_fraction=opts["small_fraction"],
-                   short_lifetime=opts["short_lifetime"], among=boundary or None)
+                   short_lifetime=opts["short_lifetime"], among=boundary or None, cuts=cuts)
     keep = set(prof.forced) | boundary
     for op in forward:
         if op not in in_block:

@@ -413,10 +413,12 @@ def forward_cuts(graph: MemGraph, res: Residuals) -> tuple[tuple[int, frozenset[
 
 def profile(graph: MemGraph, res: Residuals, cost_model: CostModel, *,
             small_fraction: float = 0.01, short_lifetime: int = 2,
-            among: Iterable[int] | None = None) -> Profile:
+            among: Iterable[int] | None = None,
+            cuts: tuple[tuple[int, frozenset[int]], ...] | None = None) -> Profile:
     """Profile the forward pass: residual costs, forced keeps, cuts and candidate cuts.
 
-    ``small_fraction`` is of the largest residual in ``among`` (default: all of them).
+    ``small_fraction`` is of the largest residual in ``among`` (default: all of them);
+    ``cuts``: :func:`forward_cuts` of ``res``, where the caller has them already.
     """
     biggest = max((graph.tensors[t].bytes for t in (res.tensors if among is None else among)),
                   default=0)
@@ -438,7 +440,7 @@ def profile(graph: MemGraph, res: Residuals, cost_model: CostModel, *,
         if (not reissuable(graph, t) or small or lifetime[t] <= short_lifetime
                 or recompute[t] > round_trip_s):
             forced.add(t)
-    cuts = forward_cuts(graph, res)
+    cuts = forward_cuts(graph, res) if cuts is None else cuts
     size = [sum(graph.tensors[t].bytes for t in cut) for _, cut in cuts]
     # Narrowest within CUT_WINDOW ops either side; of equal neighbours, the last.
     candidates = tuple(

@@ -99,16 +99,16 @@ def offload_candidates(graph: MemGraph, res: Residuals, which: Which) -> list[in
 
     Never a value whose copy would change the step's bits (``plan.copy_keeps_fusion``).
     """
-    if which == "all":
-        return [t for t in res.tensors if graph.tensors[t].bytes > 0
-                and plan_lib.copy_keeps_fusion(graph, t)]
-    if which != "conv":
+    if which not in ("all", "conv"):
         raise ValueError(f"which must be 'all' or 'conv'; got {which!r}")
+    movable = [t for t in res.tensors if graph.tensors[t].bytes > 0
+               and plan_lib.copy_keeps_fusion(graph, t)]
+    if which == "all":
+        return movable
     conv_inputs = {t for op in res.order if graph.ops[op].phase == "forward"
                    and graph.ops[op].primitive in CONV_PRIMITIVES
                    for t in graph.ops[op].mem_inputs}
-    return [t for t in res.tensors if t in conv_inputs and graph.tensors[t].bytes > 0
-            and plan_lib.copy_keeps_fusion(graph, t)]
+    return [t for t in movable if t in conv_inputs]
 
 
 def vdnn_decisions(graph: MemGraph, res: Residuals, offload: Iterable[int],
