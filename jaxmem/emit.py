@@ -44,7 +44,11 @@ dependencies through ``jax.lax.optimization_barrier``:
 * **order**: equations are emitted in the plan's order; ops whose results
   only reach the step's outputs a few ops later (weight gradients, optimizer
   updates) are tied into the next op of the main chain, so XLA's GPU
-  scheduler cannot push them (and the buffers they read) to the end;
+  scheduler cannot push them (and the buffers they read) to the end; a
+  forward buffer whose last reader is a convolution's weight gradient is read
+  through a barrier with the main chain just before that op, as JAX's remat
+  reads a block's residuals, so the scheduler runs the weight gradient there
+  (:meth:`_Interpreter._held_residuals`);
 * **in-place updates**: in a step with re-issues or copies, an update reads the
   donated weight it overwrites through a barrier with the output of the
   weight's last backward reader, so XLA can prove every read comes first and
@@ -85,6 +89,7 @@ from jax.extend import core as jcore
 from jax.experimental.compute_on import compute_on
 from jax.extend import source_info_util
 
+from jaxmem import materialize as mat
 from jaxmem import placement as placement_lib
 from jaxmem import plan as plan_lib
 
@@ -155,9 +160,10 @@ def emit(graph_or_program: Any, plan: plan_lib.Plan | None = None, *,
     sink = _tail_ops(view)
     pinning = pin == "sinks" or (pin == "auto" and changes)
     pins = _pin_ops(view, sink) if pinning else frozenset()
+    branches = _branch_ops(view) if pinning else frozenset()
     scopes = _checkpoint_scopes(program, schedule)
     interpreter = _Interpreter(program, schedule, pins, sink, scopes, on_host,
-                               placed_outputs(program, on_host), host_ops)
+                               placed_outputs(program, on_host), host_ops, branches)
 
     def step(*args: Any, **kwargs: Any) -> Any:
         flat, tree = jax.tree_util.tree_flatten((args, kwargs))
@@ -231,6 +237,8 @@ _ONE_OPERAND_ARITHMETIC = frozenset({"neg", "mul", "div", "add", "sub", "integer
 
 # Producers that absorb a transpose of their result (see _Interpreter._folds_layout).
 _LAYOUT_FOLDING = frozenset({"dot_general", "conv_general_dilated"})
+# What the main chain of a backward pass runs through (see _branch_ops).
+_MATMULS = frozenset({"dot_general", "conv_general_dilated"})
 # Readers XLA's CPU backend may fold into a matmul as its output's addend.
 _ADDITIONS = frozenset({"add", "add_any", "sub"})
 
@@ -290,6 +298,24 @@ def _pin_ops(view: plan_lib.View, sink: frozenset[int]) -> frozenset[int]:
     pins = {op for op in sink if real(op) and any(
         view.producer[t] is not None and view.producer[t] not in sink for t in view.inputs_of(op))}
     return frozenset(end for end in map(chain_end, pins) if real(end))
+
+
+def _branch_ops(view: plan_lib.View) -> frozenset[int]:
+    """Backward ops off the main chain: no matmul or convolution comes after them.
+
+    A weight gradient and the bias gradient beside it feed the optimizer update
+    only, while an input gradient feeds the rest of the backward pass.
+    """
+    readers: list[list[int]] = [[] for _ in range(view.n_tensors)]
+    for op in range(view.n_ops):
+        for t in view.inputs_of(op):
+            readers[t].append(op)
+    feeds_heavy = [False] * view.n_ops  # some op after this one is a matmul or convolution
+    for op in reversed(range(view.n_ops)):
+        feeds_heavy[op] = any(view.primitives[r] in _MATMULS or feeds_heavy[r]
+                              for t in view.out_slots[op] if t is not None for r in readers[t])
+    return frozenset(op for op in range(view.n_ops)
+                     if view.phases[op] == "backward" and not feeds_heavy[op])
 
 
 def _checkpoint_scopes(program: Any, schedule: plan_lib.Schedule) -> dict[int, int]:
@@ -367,7 +393,8 @@ class _Interpreter:
                  sink: frozenset[int], scope_starts: dict[int, int],
                  placed: frozenset[int] = frozenset(),
                  placed_outputs: dict[int, int] | None = None,
-                 host_ops: frozenset[int] = frozenset()) -> None:
+                 host_ops: frozenset[int] = frozenset(),
+                 branches: frozenset[int] = frozenset()) -> None:
         self.program = program
         self.schedule = schedule
         self.view = schedule.view
@@ -395,6 +422,7 @@ class _Interpreter:
         self.nbytes = [_aval_bytes(a) for a in self.avals]
         # Versions the events of each checkpoint scope read from outside it.
         self.scope_inputs = self._scope_inputs()
+        self.held = self._held_residuals(branches)
 
     @staticmethod
     def _split_alone(schedule: plan_lib.Schedule) -> frozenset[int]:
@@ -406,6 +434,68 @@ class _Interpreter:
                     readers.setdefault(r, set()).add(ev.op)  # type: ignore[arg-type]
         return frozenset(t for t in schedule.remat_keys
                          if t < schedule.view.n_tensors and len(readers.get(t, ())) < 2)
+
+    def _held_residuals(self, branches: frozenset[int]) -> dict[int, list[int]]:
+        """Event index -> forward buffers read through the barrier at that event.
+
+        A forward buffer whose last reader is a convolution's weight gradient (a
+        branch op, :func:`_branch_ops`) dies when that op runs, and XLA's GPU
+        scheduler runs branch ops late (VGG-16 under ``blocks save=dots``: each
+        stage's input, kept, waited with its masked gradient for the first
+        convolution's weight gradient until the end of the backward pass, 1.1 GB
+        at stage 0's peak). JAX's remat reads a block's residuals through the
+        barrier at the start of its recomputation; here the buffer goes through a
+        barrier with the inputs of the main-chain op just before its last reader,
+        so the scheduler sees it read from there on and runs the weight gradient
+        beside it. Convolutions only: their operands are buffers whatever the
+        tie, while a matmul's may be fused into it (on the MLP, tying a matmul
+        weight gradient's input cost 64 MiB and 0.5 ms; on Llama it changed bits).
+        And not a buffer an elementwise op makes (through views such as
+        ``checkpoint_name``): XLA computes the transposed operand a weight
+        gradient wants from the ReLU's input, which a tie on the output stops
+        (U-Net ``blocks save=dots``: +0.3 ms).
+        """
+        view, events = self.view, self.schedule.events
+        if not branches:
+            return {}
+        made: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for i, ev in enumerate(events):
+            for r in ev.reads:
+                if r is not None:
+                    last[r] = i
+            for w in ev.writes:
+                if w is not None:
+                    made.setdefault(w, i)
+        held: dict[int, list[int]] = {}
+        main: int | None = None  # the last main-chain op event so far
+        for k, ev in enumerate(events):
+            if ev.kind != "op":
+                continue
+            if ev.op not in branches:
+                main = k
+                continue
+            if view.primitives[ev.op] != "conv_general_dilated":
+                continue
+            for r in dict.fromkeys(ev.reads):
+                # A tensor's first version (not a re-issued copy) computed in the forward pass.
+                if (main is not None and r is not None and view.n_inputs <= r < view.n_tensors
+                        and last[r] == k and made.get(r, k) < main
+                        and view.phases[view.producer[r]] == "forward"
+                        and not self._made_elementwise(r)):
+                    held.setdefault(main, []).append(r)
+        return held
+
+    def _made_elementwise(self, tensor: int) -> bool:
+        """Whether ``tensor``'s value comes from a fusible op, looking through views."""
+        view = self.view
+        op = view.producer[tensor]
+        while op is not None and view.primitives[op] in mat.VIEWS:
+            ins = view.inputs_of(op)
+            if len(ins) != 1:
+                break
+            op = view.producer[ins[0]]
+        return op is not None and mat.is_fusible(view.primitives[op])
 
     def _scope_inputs(self) -> dict[int, list[int]]:
         if not self.scope_starts:
@@ -495,6 +585,8 @@ class _Interpreter:
             unfetched.difference_update(fetch)
             op_reads = [r for r in dict.fromkeys(op_event.reads)
                         if r is not None and self._real(r) and r not in made_here]
+            # Forward buffers a weight-gradient convolution reads last (_held_residuals).
+            held = [r for r in self.held.get(j, ()) if r in env]
             delay_ties: list[int] = []
             if remat_reads or prefetch or fetch:
                 delay_ties = [r for r in op_reads if self.schedule.tensor(r) >= view.n_inputs]
@@ -520,7 +612,11 @@ class _Interpreter:
                 chains += self._order_ties([r for r in reads if r not in pending_pins],
                                            block_ties, unfetched, delay=False)
             # A re-issue reads its inputs through the barrier at the start of their chains too.
-            chains += [self._start_of_chain(r, unfetched) for r in remat_reads]
+            chains += [self._start_of_chain(r, unfetched) for r in remat_reads + held]
+            if held and not delay_ties and last_real is not None:
+                # With the main chain's newest buffer: a tie on the op's inputs could make
+                # a fused value (a gradient sum) a buffer of its own (ResNet-50: +0.6 ms).
+                chains.append((last_real, []))
             ties = list(dict.fromkeys([c[0] for c in chains] + fetch))
             hosts = prefetch + ([] if carry else pending_host)
             pinned = [] if carry else pending_pins
