@@ -529,8 +529,8 @@ def test_a_replan_hands_over_a_candidate_that_fits_the_budget_as_given():
 
 
 def test_loose_candidates_are_chosen_by_the_rule_the_docstring_gives():
-    """Within the budget as given: the fastest; else, only when nothing fits, the
-    lowest peak within 20% over it; nothing further out."""
+    """Within the budget as given: the fastest; else, when nothing fits, the lowest peak
+    within 20% over it; else one estimated faster than the chosen plan within 10%."""
     from jaxmem.planners.cpsat import _loose, _Scored
 
     def cand(name, peak, t, offload=False):
@@ -539,11 +539,17 @@ def test_loose_candidates_are_chosen_by_the_rule_the_docstring_gives():
                              predicted_time_s=t)
         return _Scored(name=name, plan=plan, peak_bytes=peak, time_s=t)
 
+    def loose(pool, budget, given, nothing_fits, best_time_s=1.0):
+        return [s for s, _ in _loose(pool, budget, given, nothing_fits, best_time_s)]
+
     a, b, c, d = cand("a", 90, 1.0), cand("b", 95, 0.5), cand("c", 110, 0.1), cand("d", 130, 0.1)
-    assert _loose([a, b, c, d], 80, 100, nothing_fits=False) == [b]     # fastest within 100
-    assert _loose([c, d], 80, 100, nothing_fits=False) == []            # something fits: no gamble
-    assert _loose([d, c], 80, 100, nothing_fits=True) == [c]            # 110 <= 120; 130 is not
-    assert _loose([d], 100, None, nothing_fits=True) == []
-    assert _loose([a, c], 100, None, nothing_fits=True) == [c]          # given = budget_bytes
-    e = cand("e", 105, 0.1, offload=True)                               # offloads: never a gamble
-    assert _loose([e, c], 80, 100, nothing_fits=True) == [c]
+    assert loose([a, b, c, d], 80, 100, nothing_fits=False) == [b]     # fastest within 100
+    assert loose([c, d], 80, 100, nothing_fits=False) == [c]           # faster, 110 <= 110
+    assert loose([c, d], 80, 100, nothing_fits=False, best_time_s=0.1) == []  # not faster
+    assert loose([d], 80, 100, nothing_fits=False) == []               # 130 > 110
+    assert loose([d, c], 80, 100, nothing_fits=True) == [c]            # 110 <= 120; 130 is not
+    assert loose([d], 100, None, nothing_fits=True) == []
+    assert loose([a, c], 100, None, nothing_fits=True) == [c]          # given = budget_bytes
+    e = cand("e", 105, 0.1, offload=True)                              # offloads: never a gamble
+    assert loose([e, c], 80, 100, nothing_fits=True) == [c]
+    assert loose([e], 80, 100, nothing_fits=False) == []
