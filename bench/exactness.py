@@ -1,8 +1,10 @@
 """Bitwise exactness of every planner's emitted step on zoo models (tiny, CPU).
 
-``python -m bench.exactness MODELS PLANNERS [FRACTION]`` plans each tiny train
-step for the ``cpu`` target at ``FRACTION`` (default 0.5) of its simulated peak
-with every planner, runs the emitted step and the plain step on the CPU, and
+``python -m bench.exactness MODELS PLANNERS [FRACTION [TARGET]]`` plans each
+tiny train step for ``TARGET`` (default ``cpu``; ``h100`` and ``h200`` plan for
+the GPU's fusions, as a user with a GPU gets them) at ``FRACTION`` (default 0.5)
+of its simulated peak with every planner, runs the emitted step and the plain
+step on the CPU, and
 prints per planner ``exact`` or how many output leaves differ and by how much,
 with the plan's shape: ``r`` re-issued tensors, ``o`` offloaded, ``m`` moved ops.
 """
@@ -21,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     fraction = float(args[2]) if len(args) > 2 else 0.5
+    target = args[3] if len(args) > 3 else "cpu"
 
     import jax
     import numpy as np
@@ -32,12 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     from jaxmem.costmodel import CostModel
     from jaxmem.graph import build_graph
 
-    cost_model = CostModel.for_target("cpu")
+    cost_model = CostModel.for_target(target)
     failures = 0
     for model in args[0].split(","):
         zs = zoo.build(model, "tiny", step="train")
         graph = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,
-                            arg_roles=zs.arg_roles, target="cpu")
+                            arg_roles=zs.arg_roles, target=target)
         budget = int(fraction * plan_lib.simulate_plan(graph, plan_lib.unplanned(graph)).peak_bytes)
         inputs = zs.make_args(seed=0)
         reference = jax.tree_util.tree_leaves(jax.jit(zs.fn)(*inputs))
