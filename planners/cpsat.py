@@ -48,7 +48,8 @@ How it runs, within ``time_limit_s``:
    when no candidate fits, the lowest-peak other one without offloads simulated
    within 20% over the budget as given (the simulator over-predicts some plans);
    otherwise the fastest one without offloads estimated faster than the returned
-   plan and simulated within 10% over the budget (a compile decides whether it fits).
+   plan and simulated within 10% over the budget as given (a compile decides whether
+   it fits).
 
 ``lower_bound`` and ``gap`` are the solver's, on its objective: the step time
 (seconds) of the coarse model, whose durations are rounded up to ticks.
@@ -66,8 +67,9 @@ repeatable),
 layers), ``min_decision_bytes`` (buffers smaller than this are always kept;
 default ``budget / 2000``: fewer variables, little memory left on the table),
 ``heuristics`` (``("greedy", "chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch",
-"keep_matmuls_fit", "blocks")``:
-registered planners whose plans warm-start the solver and compete with its plan;
+"keep_matmuls_fit", "blocks", "blocks:dots", "blocks:dots_no_batch")``:
+registered planners whose plans warm-start the solver and compete with its plan,
+``"blocks:<save>"`` being ``blocks`` with that ``save`` option;
 ``order_dfs`` / ``order_bfs`` may be added, at a cost of seconds to minutes on large graphs),
 ``verify_budget_bytes`` (None; set by the verify loop, see above).
 
@@ -93,6 +95,7 @@ from jaxmem.planners import _cpsat_model
 from jaxmem.planners._cpsat_hint import repair
 from jaxmem.planners._cpsat_problem import Evaluation, Schedule, evaluate
 from jaxmem.planners._registry import get, register
+from jaxmem.planners.blocks import SAVE
 from jaxmem.planners.coarsen import Coarsening, coarsen, plan_schedule, schedule_fields
 from jaxmem.planners.sublinear import estimate_time_s
 
@@ -167,6 +170,11 @@ def _options(options: Mapping[str, Any] | None) -> dict[str, Any]:
             raise ValueError(f"cpsat: {key}={opts[key]!r} must be an integer >= 1")
     if isinstance(opts["heuristics"], str):
         opts["heuristics"] = (opts["heuristics"],)
+    for name in opts["heuristics"]:
+        base, colon, save = name.partition(":")
+        if colon and (base != "blocks" or save not in SAVE):
+            raise ValueError(f"cpsat: heuristic {name!r}: only 'blocks' takes a variant, "
+                             f"'blocks:<save>' with <save> one of {', '.join(SAVE)}")
     return opts
 
 
@@ -183,7 +191,7 @@ def _heuristic_options(name: str, opts: dict[str, Any]) -> dict[str, Any] | None
     name, _, save = name.partition(":")
     if save:
         sub = _heuristic_options(name, opts)
-        return None if sub is None or name != "blocks" else {**sub, "save": save}
+        return None if sub is None else {**sub, "save": save}
     share = max(0.5, _HEURISTIC_SHARE * float(opts["time_limit_s"]))
     if name == "greedy":
         return {"allow_remat": opts["allow_remat"], "allow_offload": opts["allow_offload"],

@@ -397,6 +397,11 @@ def test_options_are_obeyed():
     assert fixed.order == tuple(range(len(g.ops)))
     with pytest.raises(ValueError, match="unknown option 'time_limit'"):
         plan_cpsat(g, budget, H100, {"time_limit": 3})
+    for bad in ("blocks:everything", "greedy:dots"):
+        with pytest.raises(ValueError, match=f"heuristic '{bad}'"):
+            plan_cpsat(g, budget, H100, {"heuristics": ("chen", bad)})
+    variant = plan_cpsat(g, budget, H100, dict(FAST, heuristics=("blocks:dots",)))
+    assert any(n.startswith("heuristic 'blocks:dots'") for n in variant.notes), variant.notes
 
 
 def test_same_inputs_and_seed_give_the_same_plan():
