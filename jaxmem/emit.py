@@ -444,10 +444,10 @@ class _Interpreter:
         stage's input, kept, waited with its masked gradient for the first
         convolution's weight gradient until the end of the backward pass, 1.1 GB
         at stage 0's peak). JAX's remat reads a block's residuals through the
-        barrier at the start of its recomputation; here the buffer goes through a
-        barrier with the inputs of the main-chain op just before its last reader,
-        so the scheduler sees it read from there on and runs the weight gradient
-        beside it. Convolutions only: their operands are buffers whatever the
+        barrier at the start of its recomputation; here the buffer goes through the
+        barrier of the main-chain op just before its last reader (with the main
+        chain's newest buffer where that op has no barrier of its own), so the
+        scheduler sees it read from there on and runs the weight gradient beside it. Convolutions only: their operands are buffers whatever the
         tie, while a matmul's may be fused into it (on the MLP, tying a matmul
         weight gradient's input cost 64 MiB and 0.5 ms; on Llama it changed bits).
         And not a buffer an elementwise op makes (through views such as
