@@ -160,7 +160,8 @@ def emit(graph_or_program: Any, plan: plan_lib.Plan | None = None, *,
     sink = _tail_ops(view)
     pinning = pin == "sinks" or (pin == "auto" and changes)
     pins = _pin_ops(view, sink) if pinning else frozenset()
-    branches = _branch_ops(view) if pinning else frozenset()
+    branches = (frozenset(op for op in plan_lib.branch_ops(view)
+                          if view.phases[op] == "backward") if pinning else frozenset())
     scopes = _checkpoint_scopes(program, schedule)
     interpreter = _Interpreter(program, schedule, pins, sink, scopes, on_host,
                                placed_outputs(program, on_host), host_ops, branches)
@@ -237,8 +238,6 @@ _ONE_OPERAND_ARITHMETIC = frozenset({"neg", "mul", "div", "add", "sub", "integer
 
 # Producers that absorb a transpose of their result (see _Interpreter._folds_layout).
 _LAYOUT_FOLDING = frozenset({"dot_general", "conv_general_dilated"})
-# What the main chain of a backward pass runs through (see _branch_ops).
-_MATMULS = frozenset({"dot_general", "conv_general_dilated"})
 # Readers XLA's CPU backend may fold into a matmul as its output's addend.
 _ADDITIONS = frozenset({"add", "add_any", "sub"})
 
@@ -298,24 +297,6 @@ def _pin_ops(view: plan_lib.View, sink: frozenset[int]) -> frozenset[int]:
     pins = {op for op in sink if real(op) and any(
         view.producer[t] is not None and view.producer[t] not in sink for t in view.inputs_of(op))}
     return frozenset(end for end in map(chain_end, pins) if real(end))
-
-
-def _branch_ops(view: plan_lib.View) -> frozenset[int]:
-    """Backward ops off the main chain: no matmul or convolution comes after them.
-
-    A weight gradient and the bias gradient beside it feed the optimizer update
-    only, while an input gradient feeds the rest of the backward pass.
-    """
-    readers: list[list[int]] = [[] for _ in range(view.n_tensors)]
-    for op in range(view.n_ops):
-        for t in view.inputs_of(op):
-            readers[t].append(op)
-    feeds_heavy = [False] * view.n_ops  # some op after this one is a matmul or convolution
-    for op in reversed(range(view.n_ops)):
-        feeds_heavy[op] = any(view.primitives[r] in _MATMULS or feeds_heavy[r]
-                              for t in view.out_slots[op] if t is not None for r in readers[t])
-    return frozenset(op for op in range(view.n_ops)
-                     if view.phases[op] == "backward" and not feeds_heavy[op])
 
 
 def _checkpoint_scopes(program: Any, schedule: plan_lib.Schedule) -> dict[int, int]:
@@ -439,16 +420,17 @@ class _Interpreter:
         """Event index -> forward buffers read through the barrier at that event.
 
         A forward buffer whose last reader is a convolution's weight gradient (a
-        branch op, :func:`_branch_ops`) dies when that op runs, and XLA's GPU
-        scheduler runs branch ops late (VGG-16 under ``blocks save=dots``: each
-        stage's input, kept, waited with its masked gradient for the first
-        convolution's weight gradient until the end of the backward pass, 1.1 GB
-        at stage 0's peak). JAX's remat reads a block's residuals through the
-        barrier at the start of its recomputation; here the buffer goes through the
-        barrier of the main-chain op just before its last reader (with the main
-        chain's newest buffer where that op has no barrier of its own), so the
-        scheduler sees it read from there on and runs the weight gradient beside it. Convolutions only: their operands are buffers whatever the
-        tie, while a matmul's may be fused into it (on the MLP, tying a matmul
+        backward op off the main chain, :func:`jaxmem.plan.branch_ops`) dies when
+        that op runs, and XLA's GPU scheduler runs such ops late (VGG-16 under
+        ``blocks save=dots``: each stage's input, kept, waited with its masked
+        gradient for the first convolution's weight gradient until the end of the
+        backward pass, 1.1 GB at stage 0's peak). JAX's remat reads a block's
+        residuals through the barrier at the start of its recomputation; here the
+        buffer goes through the barrier of the main-chain op just before its last
+        reader (with the main chain's newest buffer where that op has no barrier of
+        its own), so the scheduler sees it read from there on and runs the weight
+        gradient beside it. Convolutions only: their operands are buffers whatever
+        the tie, while a matmul's may be fused into it (on the MLP, tying a matmul
         weight gradient's input cost 64 MiB and 0.5 ms; on Llama it changed bits).
         And not a buffer an elementwise op makes (through views such as
         ``checkpoint_name``): XLA computes the transposed operand a weight

@@ -343,6 +343,6 @@ from jaxmem.schedule import (  # noqa: E402
     Event as Event, Schedule as Schedule, build_schedule as build_schedule,
     check_plan as check_plan, simulate_plan as simulate_plan, steps_for_plan as steps_for_plan)
 from jaxmem.view import (  # noqa: E402
-    NEVER_REISSUED as NEVER_REISSUED, REDUCTIONS as REDUCTIONS, View as View,
-    check_order as check_order, copy_keeps_fusion as copy_keeps_fusion,
-    remat_keeps_fusion as remat_keeps_fusion, view as view)
+    CHAIN_PRIMITIVES as CHAIN_PRIMITIVES, NEVER_REISSUED as NEVER_REISSUED,
+    REDUCTIONS as REDUCTIONS, View as View, branch_ops as branch_ops, check_order as check_order,
+    copy_keeps_fusion as copy_keeps_fusion, remat_keeps_fusion as remat_keeps_fusion, view as view)

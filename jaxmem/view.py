@@ -266,6 +266,30 @@ def _itemsize(aval: Any) -> int:
         return 0
 
 
+# Ops that carry a layer's gradient down the backward chain (and, off it, a weight gradient).
+CHAIN_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def branch_ops(v: View) -> frozenset[int]:
+    """Backward and update ops with no backward matmul or convolution after them.
+
+    These are the branches off the backward chain: weight gradients, bias
+    reductions, gradient accumulations and the optimizer update, while an input
+    gradient feeds the rest of the backward pass.
+    """
+    readers: list[list[int]] = [[] for _ in range(v.n_tensors)]
+    for op in range(v.n_ops):
+        for t in v.inputs_of(op):
+            readers[t].append(op)
+    feeds_chain = [False] * v.n_ops  # some strict descendant is a backward matmul or conv
+    for op in reversed(range(v.n_ops)):  # op ids are a topological order
+        feeds_chain[op] = any(
+            feeds_chain[r] or (v.phases[r] == "backward" and v.primitives[r] in CHAIN_PRIMITIVES)
+            for t in v.out_slots[op] if t is not None for r in readers[t])
+    return frozenset(op for op in range(v.n_ops)
+                     if v.phases[op] in ("backward", "update") and not feeds_chain[op])
+
+
 def check_order(v: View, order: Sequence[int]) -> None:
     """Raise ``ValueError`` unless ``order`` is a topological permutation of all ops."""
     if sorted(order) != list(range(v.n_ops)):

@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 NAME = "order_wgrad"
 # Ops that carry a layer's gradient down the backward chain (and, as a tail op, a
 # weight gradient).
-CHAIN_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+CHAIN_PRIMITIVES = plan_lib.CHAIN_PRIMITIVES
 
 
 ### What moves
@@ -71,22 +71,10 @@ def _preds(graph: MemGraph) -> list[tuple[int, ...]]:
 
 
 def tail_ops(graph: MemGraph) -> frozenset[int]:
-    """Backward and update ops with no backward matmul or convolution after them.
-
-    These are the branches off the backward chain: weight gradients, bias
-    reductions, gradient accumulations and the optimizer update.
-    """
-    succs: list[list[int]] = [[] for _ in graph.ops]
-    for o, ps in enumerate(_preds(graph)):
-        for p in ps:
-            succs[p].append(o)
-    feeds_chain = [False] * len(graph.ops)  # some strict descendant is a backward dot/conv
-    for o in reversed(range(len(graph.ops))):  # op ids are a topological order
-        feeds_chain[o] = any(feeds_chain[s] or (graph.ops[s].phase == "backward"
-                                                and graph.ops[s].primitive in CHAIN_PRIMITIVES)
-                             for s in succs[o])
-    return frozenset(o for o, op in enumerate(graph.ops)
-                     if op.phase in ("backward", "update") and not feeds_chain[o])
+    """Backward and update ops with no backward matmul or convolution after them
+    (:func:`jaxmem.plan.branch_ops`): weight gradients, bias reductions, gradient
+    accumulations and the optimizer update."""
+    return plan_lib.branch_ops(plan_lib.view(graph))
 
 
 def weight_grad_ops(graph: MemGraph) -> frozenset[int]:

@@ -396,7 +396,7 @@ def test_weight_gradient_convolutions_are_off_the_main_chain():
     fn, args = _conv_stages()
     g = analyse(trace(fn, *args), "cpu")
     view = plan_lib.view(g)
-    branches = emit._branch_ops(view)
+    branches = plan_lib.branch_ops(view)
     params = {g.tensors[t].shape for t in g.inputs[:6]}
     convs = [op for op in range(view.n_ops) if view.primitives[op] == "conv_general_dilated"
              and view.phases[op] == "backward"]
