@@ -107,6 +107,7 @@ class Options:
     sweep_factor: float = 0.8
     sweep_min: float = 0.05
     bitwise: bool = True
+    op_times: str = "roofline"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -145,6 +146,10 @@ def parser() -> argparse.ArgumentParser:
                    help="plan with jaxmem.Config(bitwise=False): planners may recompute values "
                         "XLA fuses into summations (gradients within a few ulps, as under "
                         "jax.checkpoint); records carry bitwise=false")
+    p.add_argument("--op-times", choices=("roofline", "profile"), default="roofline",
+                   help="how planners price ops: the target's roofline (default), or a trial run "
+                        "of the plain step under jax.profiler on the CPU, scaled to the target's "
+                        "roofline total (jaxmem.Config(op_times=...)); records carry op_times")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip the Pareto plot")
     p.add_argument("--sweep", action="store_true",
                    help="instead of --budgets: sweep each planner's budget from the unplanned "
@@ -182,4 +187,5 @@ def parse(argv: Sequence[str] | None = None) -> Options:
                    budgets=budgets, target=ns.target, out=ns.out, step=ns.step, scan=ns.scan,
                    cpu_time=ns.cpu_time, repeats=ns.repeats, time_limit_s=ns.time_limit_s,
                    append=ns.append, plot=ns.plot, sweep=ns.sweep,
-                   sweep_factor=ns.sweep_factor, sweep_min=ns.sweep_min, bitwise=ns.bitwise)
+                   sweep_factor=ns.sweep_factor, sweep_min=ns.sweep_min, bitwise=ns.bitwise,
+                   op_times=ns.op_times)

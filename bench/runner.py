@@ -154,7 +154,7 @@ def _bench_model(model: str, names: list[str], options: Options, target: targets
             for budget, nbytes in budgets:
                 _progress(f"{model}/{options.size}: planner {name!r}, budget {budget.text}")
                 outcome = _planned(name, zoo, nbytes, target, reference, options.time_limit_s,
-                                   bitwise=options.bitwise)
+                                   bitwise=options.bitwise, op_times=options.op_times)
                 if cpu_args is not None and outcome.step is not None:
                     _cpu(outcome, outcome.step, cpu_args, options.repeats)
                 yield _record(model, name, "planner", budget, nbytes, outcome, reference, options,
@@ -189,15 +189,16 @@ def _predict(zoo: Any, target: targets.Target) -> int | None:
 
 
 def _planned(name: str, zoo: Any, budget_bytes: int | None, target: targets.Target,
-             reference: _Outcome, time_limit_s: float = 20.0, *, bitwise: bool = True
-             ) -> _Outcome:
+             reference: _Outcome, time_limit_s: float = 20.0, *, bitwise: bool = True,
+             op_times: str = "roofline") -> _Outcome:
     """Plan, emit and compile the step with planner ``name`` through ``jaxmem.optimize``."""
     if zoo is None:
         return _Outcome(error=reference.error or "error: the step could not be built")
     if budget_bytes is None:
         return _Outcome(error=_unresolved(reference))
     try:
-        step = _optimize(name, zoo, budget_bytes, target, time_limit_s, bitwise=bitwise)
+        step = _optimize(name, zoo, budget_bytes, target, time_limit_s, bitwise=bitwise,
+                         op_times=op_times)
         report = measure(step, *zoo.args, target=target)
         plan = _plan_of(step, target.place(zoo.args))
     except Exception as err:  # recorded in the results, not hidden
@@ -222,7 +223,8 @@ def _plan_of(step: Any, args: tuple[Any, ...]) -> Any:
 
 
 def _optimize(name: str, zoo: Any, budget_bytes: int, target: targets.Target,
-              time_limit_s: float = 20.0, *, bitwise: bool = True) -> Any:
+              time_limit_s: float = 20.0, *, bitwise: bool = True,
+              op_times: str = "roofline") -> Any:
     """The step planned by ``name``: ``jaxmem.optimize(fn, config=jaxmem.Config(...))``.
 
     This is the one place that knows the optimize API (issue 3): a budget in
@@ -236,7 +238,7 @@ def _optimize(name: str, zoo: Any, budget_bytes: int, target: targets.Target,
             f"{' or '.join('jaxmem.' + m for m in missing)} to trace, plan and emit a step with "
             f"it yet; nothing was compiled")
     config = jaxmem.Config(budget=budget_bytes, target=target.name, planner=name,
-                           time_limit_s=time_limit_s, bitwise=bitwise)
+                           time_limit_s=time_limit_s, bitwise=bitwise, op_times=op_times)
     return jaxmem.optimize(zoo.fn, config=config, donate_argnums=zoo.donate_argnums)
 
 
@@ -268,6 +270,7 @@ def _record(model: str, planner: str, kind: str, budget: Budget, budget_bytes: i
         "model": model, "size": options.size, "variant": "scan" if options.scan else "unrolled",
         "step": options.step, "planner": planner, "kind": kind, "budget": budget.text,
         "bitwise": options.bitwise if kind == "planner" else None,
+        "op_times": options.op_times if kind == "planner" else None,
         "budget_bytes": budget_bytes, "target": target.name, "status": status,
         "compiled_peak_bytes": r.device_bytes if r else None,
         "predicted_peak_bytes": outcome.predicted_peak_bytes,

@@ -88,7 +88,7 @@ def _points(name: str, zoo: Any, none_bytes: int, options: Options,
             target: targets.Target) -> list[Point]:
     """One planner's sweep through ``jaxmem.pareto``; a failure of the sweep itself is one point."""
     config = jaxmem.Config(target=target.name, planner=name, time_limit_s=options.time_limit_s,
-                           bitwise=options.bitwise)
+                           bitwise=options.bitwise, op_times=options.op_times)
     step = jaxmem.optimize(zoo.fn, config=config, donate_argnums=zoo.donate_argnums)
     try:
         return jaxmem.pareto(step, *zoo.args, factor=options.sweep_factor,

@@ -131,7 +131,8 @@ def _config(ns: argparse.Namespace, planner: str | None = None) -> Any:
             pass  # a size string such as "60GiB"
     try:
         return Config(budget=budget, target=ns.target, planner=planner or ns.planner,
-                      time_limit_s=ns.time_limit, on_over_budget=ns.on_over_budget)
+                      time_limit_s=ns.time_limit, on_over_budget=ns.on_over_budget,
+                      op_times=ns.op_times)
     except ValueError as err:
         raise UsageError(str(err)) from None
 
@@ -284,6 +285,9 @@ def parser() -> argparse.ArgumentParser:
                        help="when no plan fits: exit 3 (raise, the default) or report the best "
                             "plan found with status over_budget (warn)")
         q.add_argument("--json", action="store_true", help="print JSON instead of text")
+        q.add_argument("--op-times", choices=("roofline", "profile"), default="roofline",
+                       help="price ops by the target's roofline (default) or by a trial run "
+                            "under jax.profiler on the device the arguments live on")
 
     plan = sub.add_parser("plan", help="plan a step and print the plan")
     common(plan)

@@ -19,8 +19,10 @@ from jaxmem import targets as _targets
 
 TargetChoice = Literal["h100", "h200", "cpu", "auto"]
 OnOverBudget = Literal["raise", "warn"]
+OpTimesChoice = Literal["roofline", "profile"]
 TARGET_CHOICES: tuple[str, ...] = ("h100", "h200", "cpu", "auto")
 ON_OVER_BUDGET: tuple[str, ...] = ("raise", "warn")
+OP_TIMES: tuple[str, ...] = ("roofline", "profile")
 DEFAULT_PLANNER = "greedy"
 DEFAULT_HOST_BUDGET_BYTES = 64 << 30  # XLA's pinned-host pool on a GPU, unless raised
 
@@ -100,6 +102,15 @@ class Config:
         running the same step does no solving: ``None`` / ``False`` off (the
         default), ``True`` the default folder ``~/.cache/jaxmem/plans``, or a
         folder path.
+      op_times: how planners price each op: ``"roofline"`` (the default) from
+        its FLOPs and bytes on the target; ``"profile"`` from one trial run of
+        the plain step under ``jax.profiler`` on the device the arguments live
+        on (:mod:`jaxmem.profile`; abstract arguments run as zeros on JAX's
+        default device). Profiled elsewhere than on the target (a compile-only
+        H100 planned from a CPU), the measured shares are scaled to the
+        target's roofline total; the plan's notes say what was measured. A
+        profile that fails (the plain step does not fit the device) is
+        reported and the roofline used.
     """
 
     budget: int | str | float | None = None
@@ -116,6 +127,7 @@ class Config:
     on_over_budget: OnOverBudget = "raise"
     verify_rounds: int = 4
     plan_cache: "str | os.PathLike[str] | bool | None" = None
+    op_times: OpTimesChoice = "roofline"
 
     def __post_init__(self) -> None:
         if self.target not in TARGET_CHOICES:
@@ -137,6 +149,9 @@ class Config:
         if self.on_over_budget not in ON_OVER_BUDGET:
             raise ValueError(f"Config(on_over_budget={self.on_over_budget!r}): allowed values "
                              f"are {', '.join(ON_OVER_BUDGET)}")
+        if self.op_times not in OP_TIMES:
+            raise ValueError(f"Config(op_times={self.op_times!r}): allowed values are "
+                             f"{', '.join(OP_TIMES)}")
         if not isinstance(self.verify_rounds, int) or self.verify_rounds < 1:
             raise ValueError(f"Config(verify_rounds={self.verify_rounds!r}) must be an int >= 1")
         if not (self.plan_cache is None or isinstance(self.plan_cache, (bool, str, os.PathLike))) \

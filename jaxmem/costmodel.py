@@ -45,12 +45,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 import numpy as np
 
 from jaxmem import targets as _targets
 from jaxmem.hlo import ModuleCost, OpCost
+
+if TYPE_CHECKING:
+    from jaxmem.profile import OpTimes
 
 Direction = Literal["d2h", "h2d"]
 
@@ -111,6 +114,9 @@ class CostModel:
         precision (``"tensorfloat32"`` on GPU targets, ``"float32"`` on the CPU).
       host_bytes_per_s: host memory bandwidth of computations run on the
         host (:data:`HOST_MEMORY_BYTES_PER_S`, an estimate).
+      op_times: measured op times of one graph
+        (:class:`jaxmem.profile.OpTimes`, attached with :meth:`with_op_times`);
+        ``None``: every op is priced by the roofline.
     """
 
     target: str
@@ -121,6 +127,7 @@ class CostModel:
     h2d_bytes_per_s: float
     f32_matmul_default: str = "float32"
     host_bytes_per_s: float = HOST_MEMORY_BYTES_PER_S
+    op_times: "OpTimes | None" = None
 
     @classmethod
     def for_target(cls, target: "str | _targets.Target") -> "CostModel":
@@ -179,6 +186,31 @@ class CostModel:
                              f"bytes_accessed={bytes_accessed}")
         return max(flops / self.matmul_flops_per_s(dtype, precision),
                    bytes_accessed / self.hbm_bytes_per_s)
+
+    def with_op_times(self, times: "OpTimes | None", graph: Any = None) -> "CostModel":
+        """This model pricing ``graph``'s ops by measured ``times`` (``None``: the roofline).
+
+        Raises:
+          ValueError: the times were measured on another graph's program.
+        """
+        if times is not None and graph is not None:
+            times.check(graph)
+        return dataclasses.replace(self, op_times=times)
+
+    def graph_op_time_s(self, graph: Any, op: int) -> float:
+        """Time of op ``op`` of ``graph``: its measured time when the model carries
+        :attr:`op_times`, otherwise its roofline time in the dtype of its first
+        floating-point input."""
+        if self.op_times is not None:
+            return self.op_times.times_s[op]
+        o = graph.ops[op]
+        dtype = "float32"
+        for t in o.inputs:
+            dt = graph.tensors[t].dtype
+            if isinstance(dt, np.dtype) and np.issubdtype(dt, np.floating):
+                dtype = dt.name
+                break
+        return self.op_time_s(o.flops, o.bytes_accessed, dtype)
 
     def copy_time_s(self, nbytes: float, direction: Direction) -> float:
         """Time to move ``nbytes`` over the host link in ``direction`` (``"d2h"`` or ``"h2d"``)."""

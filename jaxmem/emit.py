@@ -332,7 +332,8 @@ def _equation_context(eqn: jcore.JaxprEqn) -> Iterator[None]:
             yield
 
 
-def _bind(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Bind ``eqn``'s primitive on ``invals`` under the equation's source line and name stack."""
     params = eqn.primitive.get_bind_params(eqn.params)
     with _equation_context(eqn):
         out = eqn.primitive.bind(*invals, **params)
@@ -790,7 +791,7 @@ class _Interpreter:
                 invals.append(scope_env[r])
             else:
                 invals.append(self._atom(op, slot, r, env))
-        outs = _bind(self.eqns[op], invals)
+        outs = bind_equation(self.eqns[op], invals)
         for w, value in zip(ev.writes, outs):
             if w is not None:
                 env[w] = value

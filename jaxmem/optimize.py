@@ -159,7 +159,7 @@ def compile_plan(graph: Any, plan: plan_lib.Plan, target: targets_lib.Target,
 
 def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args: Sequence[Any],
            donate_argnums: tuple[int, ...], counters: dict[str, int] | None = None,
-           plain_first: bool = False
+           plain_first: bool = False, cost_model: Any = None, cost_notes: Sequence[str] = ()
            ) -> tuple[plan_lib.Plan, Any, jax.stages.Compiled, tuple[Round, ...]]:
     """Plan, emit and compile until the compiled step fits the budget.
 
@@ -173,6 +173,11 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
       counters: optional ``{"plans": n, "compiles": n}`` to increment.
       plain_first: compile the step as written first and keep it if it fits
         (used when the blocks' decision table was already verified by compiling).
+      cost_model: the planners' :class:`~jaxmem.costmodel.CostModel`, with
+        ``cost_notes`` saying how its op times were found
+        (:func:`jaxmem.profile.planning_cost_model`); by default made here from
+        ``config.op_times`` (a profile then runs on zeros of ``abstract_args``'
+        shapes on JAX's default device).
 
     Returns:
       The accepted plan, its jitted emitted step, its compiled form and every round.
@@ -181,12 +186,14 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
       InfeasibleBudgetError: no round fits and ``config.on_over_budget == "raise"``.
     """
     from jaxmem import planners
-    from jaxmem.costmodel import CostModel
     from jaxmem.planners import _registry as registry
+    from jaxmem.profile import planning_cost_model
 
     counters = counters if counters is not None else {}
     planner = planners.get(config.planner).fn
-    cost_model = CostModel.for_target(target)
+    if cost_model is None:
+        cost_model, cost_notes = planning_cost_model(graph, target, config.op_times,
+                                                     *abstract_args)
     options = config.planner_options()
     budget = config.budget_bytes(target)
     internal = budget
@@ -289,7 +296,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
     # The verified status replaces the planner's; a fallback it reported stays in the notes.
     fell_back = (() if chosen.plan.status in ("ok", "over_budget") else
                  (f"planner status: {chosen.plan.status}",))
-    notes = (*fell_back, *chosen.plan.notes, *ranking,
+    notes = (*fell_back, *cost_notes, *chosen.plan.notes, *ranking,
              f"verified on {target.name}: {chosen.compiled_bytes / _MiB:,.1f} MiB device + "
              f"{chosen.host_bytes / _MiB:,.1f} MiB host compiled, round {best + 1} of "
              f"{len(rounds)}")
@@ -399,7 +406,8 @@ def plan_key(graph: Any, config: Config, target: targets_lib.Target) -> str:
                     f"donated: {program.donated}\nroles: {program.in_roles}")
     options = sorted(config.planner_options().items())
     return cache_lib.fingerprint(program_text, config.planner, config.budget_bytes(target), options,
-                                 config.verify_rounds, config.on_over_budget, target.name)
+                                 config.verify_rounds, config.on_over_budget, target.name,
+                                 *(() if config.op_times == "roofline" else (config.op_times,)))
 
 
 def _cached_plan(disk: cache_lib.PlanCache, key: str, graph: Any) -> plan_lib.Plan | None:
@@ -530,16 +538,17 @@ class Optimized:
             return self._entries[key].plan  # type: ignore[return-value]
         if key not in self._plans:
             from jaxmem import planners
-            from jaxmem.costmodel import CostModel
+            from jaxmem.profile import planning_cost_model
 
             target = config.resolve_target(dyn)
             graph = self._graph(dyn, rebuild, target)
             disk = self._disk_cache(config)
             plan = _cached_plan(disk, plan_key(graph, config, target), graph) if disk else None
             if plan is None:
+                cost_model, cost_notes = planning_cost_model(graph, target, config.op_times, *dyn)
                 plan = planners.get(config.planner).fn(
-                    graph, config.budget_bytes(target), CostModel.for_target(target),
-                    config.planner_options())
+                    graph, config.budget_bytes(target), cost_model, config.planner_options())
+                plan = plan.replace(notes=(*cost_notes, *plan.notes))
                 self._counters["plans"] += 1
             self._plans[key] = plan.replace(graph=graph)
         return self._plans[key]
@@ -702,8 +711,13 @@ class Optimized:
         else:
             fits = (block_plan is not None and block_plan.compiled_peak_bytes is not None
                     and block_plan.compiled_peak_bytes <= config.budget_bytes(target))
+            from jaxmem.profile import planning_cost_model
+
+            # Profiled op times come from the arguments as passed: where they live.
+            cost_model, cost_notes = planning_cost_model(graph, target, config.op_times, *dyn)
             plan, jitted, compiled, rounds = verify(graph, config, target, abstract, donated,
-                                                    self._counters, plain_first=fits)
+                                                    self._counters, plain_first=fits,
+                                                    cost_model=cost_model, cost_notes=cost_notes)
             if disk is not None:
                 disk.store(key, plan)
         plan = plan.replace(graph=graph)

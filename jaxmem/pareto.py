@@ -175,7 +175,7 @@ def pareto(step: Callable[..., Any], *args: Any, budgets: Sequence[BudgetSpec] |
     base = effective_config(base, level)
     target = base.resolve_target(dyn)
     abstract = abstract_args(dyn, target)
-    sweep = _Sweep(rebuild, abstract, target, unplanned_bytes, on_error)
+    sweep = _Sweep(rebuild, abstract, target, unplanned_bytes, on_error, dyn)
     resolved = None if budgets is None else [sweep.resolve(b) for b in budgets]
     if level == 0:
         sweep.fallback = "JAXMEM_LEVEL=0 turns jaxmem off"
@@ -271,15 +271,27 @@ class _Sweep:
     """What every point of one step shares: the traced graph, the target, the unplanned bytes."""
 
     def __init__(self, rebuild: Any, abstract: tuple[Any, ...], target: targets_lib.Target,
-                 unplanned_bytes: int | None, on_error: OnError) -> None:
+                 unplanned_bytes: int | None, on_error: OnError,
+                 dyn: tuple[Any, ...] | None = None) -> None:
         self.rebuild = rebuild
         self.abstract = abstract
+        self.dyn = abstract if dyn is None else dyn
         self.target = target
         self.on_error = on_error
         self.graph: Any = None
         self.fallback: str | None = None
         self._unplanned_bytes = unplanned_bytes
         self._unplanned: tuple[Report, Any] | None = None
+        self._cost_models: dict[str, tuple[Any, tuple[str, ...]]] = {}
+
+    def cost_model(self, op_times: str) -> tuple[Any, tuple[str, ...]]:
+        """The planners' cost model and its notes, made (and profiled) once per sweep."""
+        if op_times not in self._cost_models:
+            from jaxmem.profile import planning_cost_model
+
+            self._cost_models[op_times] = planning_cost_model(self.graph, self.target, op_times,
+                                                              *self.dyn)
+        return self._cost_models[op_times]
 
     def unplanned(self) -> tuple[Report, Any]:
         """The unplanned step compiled for the target: its report and jitted step."""
@@ -355,8 +367,10 @@ class _Sweep:
                          solve_time_s=None, elapsed_s=time.perf_counter() - start, rounds=0,
                          plan=None, report=rep, step=jitted, **common)
         try:
+            cost_model, cost_notes = self.cost_model(config.op_times)
             plan, jitted, compiled, rounds = verify(
-                self.graph, config, self.target, self.abstract, self.rebuild.donated)
+                self.graph, config, self.target, self.abstract, self.rebuild.donated,
+                cost_model=cost_model, cost_notes=cost_notes)
             rep = report(compiled, self.target)
         except InfeasibleBudgetError as err:
             logger.info("pareto: planner %s infeasible at %.3f MiB (best compiled %s)",

@@ -44,7 +44,6 @@ from typing import Any, Sequence
 from jaxmem import materialize as mat
 from jaxmem import plan as plan_lib
 from jaxmem.planners._cpsat_problem import Item, Node, Problem, Schedule
-from jaxmem.planners.sublinear import op_time_s
 
 # Readers that keep XLA's fusion unchanged however a re-issue splits them (see
 # jaxmem.plan.remat_keeps_fusion): re-issuing a fusible producer is safe only then.
@@ -191,7 +190,7 @@ def coarsen(graph: Any, budget_bytes: int, cost_model: Any, *, max_nodes: int = 
       host_budget_bytes: pinned host memory all offloaded buffers together may use.
     """
     tensors, ops = graph.tensors, graph.ops
-    times = [op_time_s(graph, cost_model, o) for o in range(len(ops))]
+    times = [cost_model.graph_op_time_s(graph, o) for o in range(len(ops))]
     clusters = _merge_segments(graph, _fusion_clusters(graph, contiguous=not allow_reorder),
                                times, max(1, max_nodes))
     node_of = {o: n for n, c in enumerate(clusters) for o in c}

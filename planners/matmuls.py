@@ -52,7 +52,7 @@ from jaxmem.costmodel import CostModel
 from jaxmem.graph import MemGraph
 from jaxmem.planners._registry import register
 from jaxmem.planners.sublinear import (check_options, find_residuals, finish, fused_segments,
-                                       op_time_s, reissuable, remat_points)
+                                       reissuable, remat_points)
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
         if t in cheap_set or not reissuable(graph, t):
             continue
         if any(makes_matmul(graph, u) for u in closure):
-            cost[t] = sum(op_time_s(graph, cost_model, graph.tensors[u].producer)
+            cost[t] = sum(cost_model.graph_op_time_s(graph, graph.tensors[u].producer)
                           for u in closure)
     ratio = {t: cost[t] / max(1, graph.tensors[t].bytes) for t in cost}
     # Residuals of one role in every layer (same primitive, bytes and cost) are

@@ -276,18 +276,6 @@ def remat_points(graph: MemGraph, res: Residuals, remat: Iterable[int],
     return {t: (res.order[p],) for t, p in sorted(point.items())}, offload
 
 
-def op_time_s(graph: MemGraph, cost_model: CostModel, op: int) -> float:
-    """Roofline time of one op, in the dtype of its first floating-point input."""
-    o = graph.ops[op]
-    dtype = "float32"
-    for t in o.inputs:
-        dt = graph.tensors[t].dtype
-        if isinstance(dt, np.dtype) and np.issubdtype(dt, np.floating):
-            dtype = dt.name
-            break
-    return cost_model.op_time_s(o.flops, o.bytes_accessed, dtype)
-
-
 def estimate_time_s(graph: MemGraph, plan: plan_lib.Plan, cost_model: CostModel) -> float:
     """Estimated step time of ``plan``: its events on one compute stream and two copy streams.
 
@@ -305,7 +293,7 @@ def estimate_time_s(graph: MemGraph, plan: plan_lib.Plan, cost_model: CostModel)
     for ev in sched.events:
         wait = max([clock] + [ready.get(r, 0.0) for r in ev.reads if r is not None])
         if ev.kind in ("op", "remat"):
-            clock = wait + op_time_s(graph, cost_model, ev.op)  # type: ignore[arg-type]
+            clock = wait + cost_model.graph_op_time_s(graph, ev.op)  # type: ignore[arg-type]
         elif ev.kind == "fused":
             for w in ev.writes:
                 if w is not None:
@@ -427,7 +415,7 @@ def profile(graph: MemGraph, res: Residuals, cost_model: CostModel, *,
     for t in res.tensors:
         p = graph.tensors[t].producer
         nbytes = graph.tensors[t].bytes
-        recompute[t] = op_time_s(graph, cost_model, p)  # type: ignore[arg-type]
+        recompute[t] = cost_model.graph_op_time_s(graph, p)  # type: ignore[arg-type]
         lifetime[t] = res.pos[res.first_backward[t]] - res.pos[p]  # type: ignore[index]
         round_trip_s = (cost_model.copy_time_s(nbytes, "d2h")
                         + cost_model.copy_time_s(nbytes, "h2d"))

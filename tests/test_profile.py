@@ -1,0 +1,240 @@
+"""Profiled op times (``jaxmem.profile``, ``Config(op_times="profile")``): measured, mapped back
+to the graph's ops, and used by the planners in place of the roofline."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem
+from jaxmem import models, profile
+from jaxmem.costmodel import CostModel
+from jaxmem.graph import build_graph
+from jaxmem.plan import unplanned
+from jaxmem.planners.sublinear import estimate_time_s
+
+US = 1e-6
+
+
+def _mlp_loss(params, x):
+    for w1, w2 in params:
+        x = x + jnp.tanh(x @ w1) @ w2
+    return jnp.sum(x ** 2)
+
+
+def _mlp_args(layers=4, batch=64, width=32, hidden=128):
+    keys = jax.random.split(jax.random.PRNGKey(0), 2 * layers + 1)
+    params = [(jax.random.normal(keys[2 * i], (width, hidden)) / width,
+               jax.random.normal(keys[2 * i + 1], (hidden, width)) / hidden)
+              for i in range(layers)]
+    return params, jax.random.normal(keys[-1], (batch, width))
+
+
+def _same(a, b) -> bool:
+    return all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def _table(graph, seconds):
+    return profile.OpTimes(times_s=tuple(seconds), device="test", platform="cpu", repeats=1,
+                           primitives=tuple(op.primitive for op in graph.ops), wall_time_s=0.0,
+                           instruction_time_s=math.fsum(seconds), attributed_share=1.0)
+
+
+### Mapping a trace to equations
+
+
+def test_an_instructions_time_is_split_by_roofline_share_or_evenly():
+    m = profile.InstructionMap({"dot": frozenset({0, 1}), "tanh": frozenset({2, 3}),
+                                "param_copy": frozenset()}, {})
+    times, attributed = profile.split_over_equations(
+        {"dot": 6.0, "tanh": 2.0, "param_copy": 1.0}, m, [2.0, 1.0, 0.0, 0.0])
+    assert times == [4.0, 2.0, 1.0, 1.0]
+    assert attributed == 8.0  # the argument copy computes no equation
+
+
+def test_instruction_times_are_medians_over_runs_with_loop_iterations_added():
+    def ev(name, run, dur_us, module="jit_run"):
+        return {"ph": "X", "dur": dur_us, "args": {"hlo_op": name, "run_id": run,
+                                                    "hlo_module": module}}
+
+    m = profile.InstructionMap({"while": frozenset({5}), "dot": frozenset({5}),
+                                "copy": frozenset({1})}, {"while": frozenset({"dot"})})
+    events = [ev("while", "a", 10), ev("dot", "a", 1), ev("dot", "a", 2), ev("copy", "a", 2),
+              ev("while", "b", 12), ev("dot", "b", 5), ev("dot", "b", 900, module="jit_other")]
+    got = profile.median_instruction_times(events, "jit_run", m)
+    # The loop's own event spans its body's: dropped. dot: median(1+2, 5); copy: median(2, 0).
+    assert got == pytest.approx({"dot": 4 * US, "copy": 1 * US})
+
+
+def test_a_scan_is_timed_through_its_loop_body():
+    def step(ws, x):
+        def loss(ws):
+            y, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)
+            return jnp.sum(y ** 2)
+        return jax.grad(loss)(ws)
+
+    ws, x = jnp.full((4, 96, 96), 0.01), jnp.ones((64, 96))
+    g = build_graph(step, ws, x, target="cpu")
+    t = profile.op_times(g, ws, x, repeats=2)
+    scans = [o.id for o in g.ops if o.primitive == "scan"]
+    assert len(scans) == 2 and all(t.times_s[o] > 0 for o in scans)
+    # Both passes' matmuls run inside the loops: most of the step is theirs.
+    assert sum(t.times_s[o] for o in scans) > 0.5 * t.total_s
+
+
+### Measuring a zoo step
+
+
+@pytest.fixture(scope="module")
+def mlp_tiny():
+    zs = models.build("mlp", "tiny")
+    args = zs.make_args()
+    graph = build_graph(zs.fn, *args, target="h100", donate_argnums=zs.donate_argnums)
+    return zs, args, graph, profile.op_times(graph, *args, repeats=3)
+
+
+def test_every_matmul_of_a_train_step_is_timed(mlp_tiny):
+    _, _, graph, t = mlp_tiny
+    assert len(t.times_s) == len(graph.ops)
+    dots = [o.id for o in graph.ops if o.primitive == "dot_general"]
+    assert dots and all(t.times_s[o] > 0 for o in dots)
+    assert all(s >= 0 for s in t.times_s)
+    assert 0.5 < t.attributed_share <= 1.0
+    assert t.platform == "cpu" and t.repeats == 3 and t.scale == 1.0
+    assert "op times profiled on cpu" in t.summary()
+
+
+def test_abstract_arguments_run_as_zeros(mlp_tiny):
+    zs, _, graph, _ = mlp_tiny
+    t = profile.op_times(graph, *zs.args, repeats=1)  # ShapeDtypeStructs
+    assert t.platform == "cpu" and t.total_s > 0
+
+
+def test_an_abstract_key_cannot_be_made_and_says_what_to_do():
+    def step(w, key):
+        return jax.grad(lambda w: jnp.sum(w * jax.random.normal(key, w.shape)))(w)
+
+    w, key = jnp.ones((8,)), jax.random.key(0)
+    g = build_graph(step, w, key, target="cpu")
+    with pytest.raises(ValueError, match="op_times='roofline'"):
+        profile.op_times(g, w, jax.ShapeDtypeStruct(key.shape, key.dtype))
+
+
+def test_a_table_of_another_graph_is_refused(mlp_tiny):
+    _, _, _, t = mlp_tiny
+    other = build_graph(jax.grad(_mlp_loss), *_mlp_args(), target="h100")
+    with pytest.raises(ValueError, match="profile the graph you plan"):
+        CostModel.for_target("h100").with_op_times(t, other)
+
+
+def test_scaling_keeps_the_shares(mlp_tiny):
+    _, _, _, t = mlp_tiny
+    s = t.scaled_to(1.0)
+    assert s.total_s == pytest.approx(1.0)
+    assert s.times_s[3] / s.total_s == pytest.approx(t.times_s[3] / t.total_s)
+    assert "scaled" in s.summary()
+    with pytest.raises(ValueError):
+        t.scaled_to(0.0)
+
+
+### The planners read the table
+
+
+def test_a_plans_estimated_time_follows_the_table():
+    g = build_graph(jax.grad(_mlp_loss), *_mlp_args(), target="h100")
+    roofline = CostModel.for_target("h100")
+    plan = unplanned(g, planner="none", budget_bytes=1 << 30)
+    ones = roofline.with_op_times(_table(g, [1.0] * len(g.ops)), g)
+    twos = roofline.with_op_times(_table(g, [2.0] * len(g.ops)), g)
+    assert ones.graph_op_time_s(g, 5) == 1.0
+    t1, t2 = estimate_time_s(g, plan, ones), estimate_time_s(g, plan, twos)
+    assert t1 >= 1.0 and t2 == pytest.approx(2 * t1)
+    assert estimate_time_s(g, plan, roofline) != pytest.approx(t1)
+
+
+def test_greedy_recomputes_or_offloads_as_the_table_prices_ops():
+    """greedy weighs a re-issue's op time against the host round trip: a table that makes
+    every op dear turns its recomputations into offloads."""
+    from jaxmem.planners.greedy import plan_greedy
+
+    g = build_graph(jax.grad(_mlp_loss), *_mlp_args(), target="h100")
+    roofline = CostModel.for_target("h100")
+    budget = int(0.7 * jaxmem.plan.simulate_plan(g, unplanned(g, budget_bytes=1 << 30)).peak_bytes)
+
+    def plan_with(seconds):
+        return plan_greedy(g, budget, roofline.with_op_times(_table(g, [seconds] * len(g.ops)), g),
+                           {})
+
+    dear, cheap = plan_with(1.0), plan_with(1e-12)
+    assert dear.offload and not dear.remat
+    assert cheap.remat and not cheap.offload
+
+
+### Through the decorator and the sweep
+
+
+def test_config_checks_op_times():
+    with pytest.raises(ValueError, match="roofline, profile"):
+        jaxmem.Config(op_times="measured")
+
+
+@pytest.mark.parametrize("target", ["cpu", "h100"])
+def test_a_profiled_plan_is_exact_and_says_how_it_was_priced(target):
+    params, x = _mlp_args()
+    fn = jax.grad(_mlp_loss)
+    plain = jaxmem.measure(fn, params, x, target=target).device_bytes
+    step = jaxmem.optimize(fn, config=jaxmem.Config(
+        budget=int(0.7 * plain), target=target, planner="sublinear", op_times="profile",
+        on_over_budget="warn"))
+    plan = step.verified(params, x).plan
+    assert plan.remat, "the budget should make the planner recompute something"
+    notes = " | ".join(plan.notes)
+    assert "op times profiled on cpu" in notes
+    assert ("scaled" in notes) == (target == "h100")
+    if target == "cpu":
+        assert _same(step(params, x), jax.jit(fn)(params, x))
+
+
+def test_a_failed_profile_is_reported_and_the_roofline_used(monkeypatch, caplog):
+    def fail(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 80.0GiB")
+
+    monkeypatch.setattr(profile, "op_times", fail)
+    params, x = _mlp_args()
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+        budget="1GiB", target="cpu", op_times="profile"))
+    with caplog.at_level(logging.WARNING, logger="jaxmem.profile"):
+        plan = step.plan(params, x)
+    assert any("RESOURCE_EXHAUSTED" in n and "roofline" in n for n in plan.notes)
+    assert "trial run failed" in caplog.text
+
+
+def test_a_sweep_profiles_once(monkeypatch):
+    calls = []
+    real = profile.op_times
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(profile, "op_times", counted)
+    params, x = _mlp_args(layers=2)
+    points = jaxmem.pareto(jax.grad(_mlp_loss), params, x, budgets=[0.9, 0.7],
+                           planners=["greedy", "sublinear"],
+                           config=jaxmem.Config(target="cpu", op_times="profile",
+                                                on_over_budget="warn"))
+    assert len(points) == 4 and len(calls) == 1
+
+
+def test_the_bench_passes_op_times_on():
+    from bench.options import parse
+
+    assert parse(["--op-times", "profile"]).op_times == "profile"
+    assert parse([]).op_times == "roofline"
