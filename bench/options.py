@@ -117,10 +117,10 @@ def parser() -> argparse.ArgumentParser:
         description="Compare jaxmem's planners and stock remat/offload policies: models x "
                     "sizes x planners x budgets, compiled for a target. Writes "
                     "OUT/results.jsonl, prints a table and plots OUT/pareto.png. Step times "
-                    "are roofline estimates for the target; --cpu-time also runs tiny steps on "
-                    "the CPU.")
+                    "are roofline estimates for the target; --cpu-time also runs tiny and small "
+                    "steps on the CPU.")
     p.add_argument("--models", help="comma list of zoo models (default: all)")
-    p.add_argument("--size", choices=("tiny", "bench"), default="tiny",
+    p.add_argument("--size", choices=("tiny", "small", "bench"), default="tiny",
                    help="model size (default: tiny)")
     p.add_argument("--planners", help="comma list from jaxmem.planners.names(), or 'all' (default: "
                                       "the peers); 'none' always runs as the reference")
@@ -134,7 +134,7 @@ def parser() -> argparse.ArgumentParser:
                    help="train step (AdamW) or gradient step (default: train)")
     p.add_argument("--scan", action="store_true", help="the nn.scan variant of the models")
     p.add_argument("--cpu-time", action="store_true",
-                   help="also run tiny steps on the CPU: median time ratio to 'none' and "
+                   help="also run tiny and small steps on the CPU: median time ratio to 'none' and "
                         "bitwise equality of the outputs with 'none'")
     p.add_argument("--time-limit-s", type=float, default=20.0,
                    help="solver time limit per plan, passed to jaxmem.Config (default: 20)")

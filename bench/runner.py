@@ -114,8 +114,9 @@ def _reference(model: str, options: Options, target: targets.Target, builder: Bu
     reference, zoo = _peer(model, "none", options, target, builder)
     cpu_args = None
     if options.cpu_time and zoo is not None:
-        if options.size != "tiny":
-            logger.warning("--cpu-time runs tiny steps only; skipped for size %r", options.size)
+        if options.size == "bench":
+            logger.warning("--cpu-time runs tiny and small steps only; skipped for size %r",
+                           options.size)
         else:
             try:
                 cpu_args = zoo.make_args(seed=0)

@@ -275,7 +275,7 @@ def parser() -> argparse.ArgumentParser:
     def common(q: argparse.ArgumentParser) -> None:
         _logging_flags(q, argparse.SUPPRESS)
         q.add_argument("step", help="a zoo model name or MODULE:FUNCTION")
-        q.add_argument("--size", default="tiny", choices=("tiny", "bench"))
+        q.add_argument("--size", default="tiny", choices=("tiny", "small", "bench"))
         q.add_argument("--step", dest="kind", default="train", choices=("train", "grad"))
         q.add_argument("--budget", default=None,
                        help="bytes, a size ('60GiB') or a fraction of the target's memory (0.5)")

@@ -19,6 +19,12 @@ direction. Kernel launch latency is not modelled, so tiny steps look faster
 than they are. Every figure is an estimate, labelled as such wherever it is
 shown; only a run on the GPU measures time.
 
+Planners price the ops of a graph through :meth:`CostModel.graph_op_time_s`:
+the roofline above, or, when the model carries a table measured by a trial
+run (:mod:`jaxmem.profile`, ``Config(op_times="profile")``), the measured
+time of each op. Compiled steps (:meth:`CostModel.step_time`) are always
+priced by the roofline.
+
 An optimizer update that runs on the host (a plan's ``host_update``) is
 limited by host memory bandwidth (:data:`HOST_MEMORY_BYTES_PER_S`, an
 estimate); so is a call of a host computation in the compiled step

@@ -18,9 +18,11 @@ from jaxmem.models.policies import PolicyName, check_policy
 logger = logging.getLogger(__name__)
 
 StepKind = Literal["train", "grad"]
-Size = Literal["tiny", "bench"]
+Size = Literal["tiny", "small", "bench"]
 
-SIZES: tuple[str, ...] = ("tiny", "bench")
+# tiny: tests (compiles in seconds); small: a step a 2-core CPU runs in about 0.05-0.5 s, to
+# time plans on the CPU; bench: the real single-GPU workload of DESIGN.md section 5.
+SIZES: tuple[str, ...] = ("tiny", "small", "bench")
 STEPS: tuple[str, ...] = ("train", "grad")
 
 _SPECS: dict[str, ModelSpec] = {
@@ -99,7 +101,8 @@ def build(name: str, size: Size | str = "tiny", *, step: StepKind | str = "train
 
     Args:
       name: a model from :func:`names`.
-      size: ``"tiny"`` (tests: compiles in seconds) or ``"bench"`` (the real
+      size: ``"tiny"`` (tests: compiles in seconds), ``"small"`` (a step a 2-core
+        CPU runs in about 0.05-0.5 s, to time plans on the CPU) or ``"bench"`` (the real
         single-GPU workload of DESIGN.md §5).
       step: ``"train"`` (loss, gradients and an AdamW update) or ``"grad"``
         (``jax.value_and_grad`` of the loss over all parameters).

@@ -17,7 +17,7 @@ class ModelSpec:
 
     Attributes:
       name: the name ``build`` accepts.
-      configs: size name (``"tiny"``, ``"bench"``) to the model's config dataclass.
+      configs: size name (``"tiny"``, ``"small"``, ``"bench"``) to the model's config dataclass.
       module: ``(config, policy, scan) -> nn.Module``; the module's ``__call__``
         takes the positional inputs ``inputs(batch)`` returns.
       batch_spec: ``config -> {name: ShapeDtypeStruct}``, the shapes of one batch.

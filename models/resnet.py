@@ -41,6 +41,7 @@ class ResNetConfig:
 
 CONFIGS = {
     "tiny": ResNetConfig(stage_sizes=(2, 1), width=4, classes=10, image=16, batch=4),
+    "small": ResNetConfig(stage_sizes=(1, 1, 1, 1), width=32, classes=100, image=96, batch=8),
     "bench": ResNetConfig(stage_sizes=(3, 4, 6, 3), width=64, classes=1000, image=224,
                           batch=128),
 }

@@ -45,6 +45,7 @@ class UNetConfig:
 
 CONFIGS = {
     "tiny": UNetConfig(features=(4, 8), bottom=16, image=16, batch=2),
+    "small": UNetConfig(features=(16, 32, 64), bottom=128, image=96, batch=4),
     "bench": UNetConfig(features=(64, 128, 256, 512), bottom=1024, image=256, batch=32),
 }
 

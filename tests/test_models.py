@@ -117,7 +117,7 @@ def _jaxpr_names(jaxpr: Any) -> set[str]:
 
 def test_public_tables() -> None:
     assert zoo.names() == ["mlp", "vgg16", "resnet50", "unet", "gpt2", "llama"]
-    assert zoo.SIZES == ("tiny", "bench")
+    assert zoo.SIZES == ("tiny", "small", "bench")
     assert set(zoo.POLICIES) == set(jaxmem.planners.peers())
 
 

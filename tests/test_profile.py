@@ -238,3 +238,18 @@ def test_the_bench_passes_op_times_on():
 
     assert parse(["--op-times", "profile"]).op_times == "profile"
     assert parse([]).op_times == "roofline"
+
+
+def test_the_op_times_bench_times_both_pricings_and_checks_bits(tmp_path, capsys):
+    import json
+
+    from bench.op_times import main
+
+    assert main(["--models", "mlp", "--size", "tiny", "--planners", "greedy", "--budgets", "0.7",
+                 "--repeats", "2", "--profile-repeats", "2", "--out", str(tmp_path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["planner"], r.get("op_times")) for r in rows] == [
+        ("none", None), ("greedy", "roofline"), ("greedy", "profile")]
+    assert all(r["exact"] and r["cpu_step_time_ratio"] > 0 for r in rows)
+    assert isinstance(rows[2]["same_as_roofline"], bool)
+    assert "| greedy | 0.7 | profile |" in capsys.readouterr().out
