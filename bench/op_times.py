@@ -3,7 +3,7 @@
 ``python -m bench.op_times --models mlp,gpt2 --size small --budgets 0.7,0.5``
 
 For each zoo train step (``small`` by default: a step a 2-core CPU runs in
-0.05-0.5 s) on the ``cpu`` target, the plain step is profiled once
+0.1-0.6 s) on the ``cpu`` target, the plain step is profiled once
 (:func:`jaxmem.profile.op_times`); then every planner plans each budget (a
 fraction of the plain step's compiled peak) twice through the verify loop of
 ``jaxmem.optimize``: with the CPU roofline and with the profiled table. Every

@@ -8,6 +8,8 @@ Public surface (everything else is internal and may change):
     jaxmem.Plan      a planner's decisions (order, remat, offload), JSON round trip
     jaxmem.InfeasibleBudgetError  no plan fits (carries the smallest feasible budget)
     jaxmem.measure   compile a step for a target: memory, FLOPs, estimated time
+    jaxmem.profile   measured op times: a trial run under jax.profiler, mapped to the
+                     graph's ops (Config(op_times="profile") prices plans by them)
     jaxmem.explain   the tensors alive at a step's predicted memory peak, in words
     jaxmem.predict_peak_bytes   a step's predicted device bytes on a target
     jaxmem.pareto    plan a step at many budgets: compiled bytes vs estimated time per planner
@@ -19,6 +21,7 @@ Public surface (everything else is internal and may change):
     jaxmem.plan_blocks    choose the decision table of a step's blocks for a budget
 """
 
+from jaxmem import profile as profile
 from jaxmem import targets as targets
 from jaxmem.config import Config as Config
 from jaxmem.errors import InfeasibleBudgetError as InfeasibleBudgetError

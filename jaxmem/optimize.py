@@ -44,6 +44,7 @@ from jaxmem import graph as graph_lib
 from jaxmem import level as level_lib
 from jaxmem import plan as plan_lib
 from jaxmem import targets as targets_lib
+from jaxmem.profile import planning_cost_model
 from jaxmem import trace as trace_lib
 from jaxmem.config import Config
 from jaxmem.errors import InfeasibleBudgetError
@@ -187,7 +188,6 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
     """
     from jaxmem import planners
     from jaxmem.planners import _registry as registry
-    from jaxmem.profile import planning_cost_model
 
     counters = counters if counters is not None else {}
     planner = planners.get(config.planner).fn
@@ -538,7 +538,6 @@ class Optimized:
             return self._entries[key].plan  # type: ignore[return-value]
         if key not in self._plans:
             from jaxmem import planners
-            from jaxmem.profile import planning_cost_model
 
             target = config.resolve_target(dyn)
             graph = self._graph(dyn, rebuild, target)
@@ -711,8 +710,6 @@ class Optimized:
         else:
             fits = (block_plan is not None and block_plan.compiled_peak_bytes is not None
                     and block_plan.compiled_peak_bytes <= config.budget_bytes(target))
-            from jaxmem.profile import planning_cost_model
-
             # Profiled op times come from the arguments as passed: where they live.
             cost_model, cost_notes = planning_cost_model(graph, target, config.op_times, *dyn)
             plan, jitted, compiled, rounds = verify(graph, config, target, abstract, donated,

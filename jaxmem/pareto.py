@@ -41,6 +41,7 @@ from jaxmem.errors import InfeasibleBudgetError
 from jaxmem.measure import Report, report
 from jaxmem.optimize import Optimized, effective_config, optimize, verify
 from jaxmem.optimize import _abstract as abstract_args
+from jaxmem.profile import planning_cost_model
 
 logger = logging.getLogger(__name__)
 
@@ -287,8 +288,6 @@ class _Sweep:
     def cost_model(self, op_times: str) -> tuple[Any, tuple[str, ...]]:
         """The planners' cost model and its notes, made (and profiled) once per sweep."""
         if op_times not in self._cost_models:
-            from jaxmem.profile import planning_cost_model
-
             self._cost_models[op_times] = planning_cost_model(self.graph, self.target, op_times,
                                                               *self.dyn)
         return self._cost_models[op_times]

@@ -9,7 +9,9 @@ arguments live on, runs it ``repeats`` times inside ``jax.profiler.trace`` and
 reads the trace back:
 
 1. the profiler writes one complete event per executed HLO instruction
-   (``args.hlo_op``, its duration), on the CPU from XLA's thunk executor;
+   (``args.hlo_op``, its duration), on the CPU from XLA's thunk executor (on
+   a GPU, the events of the ``/device:`` processes are read; that path has not
+   been run on a GPU yet);
 2. the compiled HLO names, in each instruction's ``metadata op_name`` (and in
    those of a fusion's or loop's called computations), the scopes of the
    equations it computes, so every instruction maps to a set of equations;
@@ -62,10 +64,9 @@ import jax
 from jax.extend import core as jcore
 
 from jaxmem import emit as emit_lib
+from jaxmem import targets as targets_lib
 from jaxmem.costmodel import CostModel
 from jaxmem.hlo import HloModule, parse_module
-from jaxmem import targets as targets_lib
-from jaxmem.targets import Target
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,6 @@ DEFAULT_REPEATS = 5
 SCOPE = "jaxmem_eqn"
 _SCOPE = re.compile(SCOPE + r"(\d+)(?:/|$)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-# Instructions whose own event spans the events of the computations they call.
-_CONTROL = frozenset({"while", "conditional", "call"})
 
 _ABSTRACT_EXTENDED = (
     "op_times: argument {path} is an abstract {dtype} value; the profile runs the step on zeros "
@@ -215,13 +214,12 @@ def op_times(graph: Any, *args: Any, repeats: int = DEFAULT_REPEATS,
                            f"{SCOPE}<i> scope in their op_name metadata)")
     total = math.fsum(per_instruction.values())
     return OpTimes(times_s=tuple(times), primitives=tuple(op.primitive for op in graph.ops),
-                   device=str(device),
-                   platform=device.platform, repeats=repeats,
+                   device=str(device), platform=device.platform, repeats=repeats,
                    wall_time_s=statistics.median(walls), instruction_time_s=total,
                    attributed_share=min(1.0, attributed / total) if total else 0.0)
 
 
-def planning_cost_model(graph: Any, target: "Target", op_times_choice: str, *args: Any,
+def planning_cost_model(graph: Any, target: targets_lib.Target, op_times_choice: str, *args: Any,
                         repeats: int = DEFAULT_REPEATS, **kwargs: Any
                         ) -> tuple[CostModel, tuple[str, ...]]:
     """The cost model planners use for ``graph`` on ``target``, and notes for the plan.
@@ -249,6 +247,9 @@ def planning_cost_model(graph: Any, target: "Target", op_times_choice: str, *arg
                        f"priced by the roofline of {model.target}",)
     platform = "gpu" if target.platform == "cuda" else target.platform
     if target.compile_only or times.platform != platform:
+        logger.warning("op_times='profile': the op times were measured on %s (%s), not on the "
+                       "target %s; their shares stand in for the target's, scaled to its roofline "
+                       "total", times.platform, times.device, target.name)
         roofline = math.fsum(model.graph_op_time_s(graph, o) for o in range(len(graph.ops)))
         if roofline > 0:
             times = times.scaled_to(roofline)

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 StepKind = Literal["train", "grad"]
 Size = Literal["tiny", "small", "bench"]
 
-# tiny: tests (compiles in seconds); small: a step a 2-core CPU runs in about 0.05-0.5 s, to
+# tiny: tests (compiles in seconds); small: a step a 2-core CPU runs in about 0.1-0.6 s, to
 # time plans on the CPU; bench: the real single-GPU workload of DESIGN.md section 5.
 SIZES: tuple[str, ...] = ("tiny", "small", "bench")
 STEPS: tuple[str, ...] = ("train", "grad")
@@ -102,7 +102,7 @@ def build(name: str, size: Size | str = "tiny", *, step: StepKind | str = "train
     Args:
       name: a model from :func:`names`.
       size: ``"tiny"`` (tests: compiles in seconds), ``"small"`` (a step a 2-core
-        CPU runs in about 0.05-0.5 s, to time plans on the CPU) or ``"bench"`` (the real
+        CPU runs in about 0.1-0.6 s, to time plans on the CPU) or ``"bench"`` (the real
         single-GPU workload of DESIGN.md §5).
       step: ``"train"`` (loss, gradients and an AdamW update) or ``"grad"``
         (``jax.value_and_grad`` of the loss over all parameters).

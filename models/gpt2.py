@@ -43,7 +43,7 @@ class GPT2Config:
 
 CONFIGS = {
     "tiny": GPT2Config(layers=2, d_model=32, heads=4, seq=16, batch=2, vocab=128),
-    "small": GPT2Config(layers=4, d_model=256, heads=4, seq=256, batch=2, vocab=4096),
+    "small": GPT2Config(layers=4, d_model=256, heads=4, seq=256, batch=8, vocab=2048),
     "bench": GPT2Config(layers=12, d_model=768, heads=12, seq=1024, batch=16, vocab=50257),
 }
 

@@ -57,8 +57,8 @@ class LlamaConfig:
 CONFIGS = {
     "tiny": LlamaConfig(layers=2, d_model=32, ffn=64, heads=4, kv_heads=2, seq=16, batch=2,
                         vocab=128),
-    "small": LlamaConfig(layers=2, d_model=256, ffn=1024, heads=4, kv_heads=2, seq=256, batch=2,
-                         vocab=4096),
+    "small": LlamaConfig(layers=2, d_model=256, ffn=1024, heads=4, kv_heads=2, seq=256, batch=8,
+                         vocab=2048),
     "bench": LlamaConfig(layers=16, d_model=2048, ffn=8192, heads=32, kv_heads=8, seq=2048,
                          batch=8, vocab=128_256),
 }

@@ -39,7 +39,7 @@ class MLPConfig:
 
 CONFIGS = {
     "tiny": MLPConfig(layers=3, batch=16, width=16, hidden=64),
-    "small": MLPConfig(layers=8, batch=256, width=256, hidden=1024),
+    "small": MLPConfig(layers=8, batch=2048, width=128, hidden=512),
     "bench": MLPConfig(layers=8, batch=8192, width=256, hidden=1024),
 }
 

@@ -36,7 +36,7 @@ class VGGConfig:
 
 CONFIGS = {
     "tiny": VGGConfig(stages=((1, 8), (2, 16)), fc=32, classes=10, image=16, batch=2),
-    "small": VGGConfig(stages=((1, 32), (1, 64), (2, 128)), fc=512, classes=100, image=96,
+    "small": VGGConfig(stages=((1, 32), (1, 64), (2, 128)), fc=128, classes=100, image=96,
                        batch=8),
     "bench": VGGConfig(stages=((2, 64), (2, 128), (3, 256), (3, 512), (3, 512)), fc=4096,
                        classes=1000, image=224, batch=64),
