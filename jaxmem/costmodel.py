@@ -203,19 +203,20 @@ class CostModel:
             times.check(graph)
         return dataclasses.replace(self, op_times=times)
 
-    def graph_op_time_s(self, graph: Any, op: int) -> float:
+    def graph_op_time_s(self, graph: Any, op: int, dtype: Any = None) -> float:
         """Time of op ``op`` of ``graph``: its measured time when the model carries
-        :attr:`op_times`, otherwise its roofline time in the dtype of its first
-        floating-point input."""
+        :attr:`op_times`, otherwise its roofline time in ``dtype``, by default the
+        dtype of its first floating-point input."""
         if self.op_times is not None:
             return self.op_times.times_s[op]
         o = graph.ops[op]
-        dtype = "float32"
-        for t in o.inputs:
-            dt = graph.tensors[t].dtype
-            if isinstance(dt, np.dtype) and np.issubdtype(dt, np.floating):
-                dtype = dt.name
-                break
+        if dtype is None:
+            dtype = "float32"
+            for t in o.inputs:
+                dt = graph.tensors[t].dtype
+                if isinstance(dt, np.dtype) and np.issubdtype(dt, np.floating):
+                    dtype = dt.name
+                    break
         return self.op_time_s(o.flops, o.bytes_accessed, dtype)
 
     def copy_time_s(self, nbytes: float, direction: Direction) -> float:

@@ -103,7 +103,7 @@ def candidates(graph: Any, cost_model: Any) -> list[Candidate]:
         remat_s = None
         if (producer.recomputable and producer.primitive not in plan_lib.NEVER_REISSUED
                 and plan_lib.remat_keeps_fusion(graph, t.id, stops[k])):
-            remat_s = cost_model.graph_op_time_s(graph, t.producer)
+            remat_s = cost_model.graph_op_time_s(graph, t.producer, t.dtype)
         offload_s = (cost_model.copy_time_s(t.bytes, "d2h") + cost_model.copy_time_s(t.bytes, "h2d")
                      if plan_lib.copy_keeps_fusion(graph, t.id) else None)
         out.append(Candidate(tensor=t.id, bytes=t.bytes, resume=stops[k], readers=tuple(uses),
@@ -165,7 +165,7 @@ class _Decisions:
 
 def _step_time_s(graph: Any, cost_model: Any, decisions: _Decisions,
                  by_tensor: Mapping[int, Candidate]) -> float:
-    base = sum(cost_model.graph_op_time_s(graph, op.id) for op in graph.ops)
+    base = sum(cost_model.graph_op_time_s(graph, op.id, "float32") for op in graph.ops)
     extra = sum(by_tensor[t].remat_s or 0.0 for t in decisions.remat)
     extra += sum(by_tensor[t].offload_s or 0.0 for t in decisions.offload)
     return base + extra
