@@ -85,6 +85,7 @@ import math
 from typing import Any, Callable, Iterator, Literal, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.experimental.compute_on import compute_on
 from jax.extend import source_info_util
@@ -368,6 +369,25 @@ def _barrier(values: list[Any]) -> list[Any]:
     return list(jax.lax.optimization_barrier(values)) if values else values
 
 
+def _kept_written(value: Any) -> Any:
+    """``value`` unchanged, but written to a buffer by XLA:CPU rather than fused into its reader.
+
+    An optimization barrier cannot do this on the CPU: XLA:CPU removes barriers
+    (``cse_barrier_expander``) before its fusion passes, so a value with one
+    reader is fused into it whatever the barrier. A ``reduce_precision`` to the
+    value's own precision changes no bit, and XLA:CPU keeps it (its simplifier
+    removes such no-ops only where asked to; the GPU compiler does, before it
+    fuses). The CPU library fusions (YNN) do not take it in, so the value is
+    computed by a loop fusion of its own and its reader reads that buffer, as
+    in the plain step. Values other than floating point are returned as they are.
+    """
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        return value
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(value, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 class _Interpreter:
     """Executes a :class:`~jaxmem.plan.Schedule` on traced values (one call per trace)."""
 
@@ -383,6 +403,7 @@ class _Interpreter:
         self.pins = pins
         self.sink = sink
         self.split = self._split_alone(schedule)
+        self.lone_copies = self._lone_copies(schedule)
         self.scope_starts = scope_starts
         # Per run: version -> the event that computed it, and when (in issue order);
         # versions the emitter makes beyond the schedule's (chains recomputed after a
@@ -416,6 +437,50 @@ class _Interpreter:
                     readers.setdefault(r, set()).add(ev.op)  # type: ignore[arg-type]
         return frozenset(t for t in schedule.remat_keys
                          if t < schedule.view.n_tensors and len(readers.get(t, ())) < 2)
+
+    @staticmethod
+    def _lone_copies(schedule: plan_lib.Schedule) -> frozenset[int]:
+        """Copies of re-issued buffers that XLA:CPU would fuse into a sum (see ``run``).
+
+        Versions of a re-issued tensor the plain step writes out (the view's
+        materialized values), its first copy or one a ``"remat"`` event makes,
+        read by a single op that is a reduction or whose fused (unmaterialized)
+        output flows into one. In the plain step the tensor has two readers or
+        more, and XLA writes it out. Readers whose results nothing reads are not
+        counted: XLA drops them (a ReLU's forward mask, when the backward pass
+        reads the one recomputed from the re-issued copy).
+        """
+        view = schedule.view
+        live = {w for w in schedule.final if w is not None}
+        readers: dict[int, set[int]] = {}
+        for ev in reversed(schedule.events):
+            if ev.kind in ("op", "remat", "fused") and not any(w in live for w in ev.writes):
+                continue
+            for r in ev.reads:
+                if r is not None:
+                    live.add(r)
+                    readers.setdefault(r, set()).add(ev.op)  # type: ignore[arg-type]
+        consumers: dict[int, list[int]] = {}
+        for op, slots in enumerate(view.in_slots):
+            for t in slots:
+                if t is not None:
+                    consumers.setdefault(t, []).append(op)
+        feeds: dict[int, bool] = {}
+
+        def feeds_reduction(op: int) -> bool:
+            if op not in feeds:
+                feeds[op] = False  # (cycle guard; the program is a DAG)
+                feeds[op] = view.primitives[op] in plan_lib.REDUCTIONS or any(
+                    feeds_reduction(k) for t in view.out_slots[op]
+                    if t is not None and not view.materialized[t] for k in consumers.get(t, ()))
+            return feeds[op]
+
+        copies = [t for t in schedule.remat_keys if t < view.n_tensors]
+        copies += [w for ev in schedule.events if ev.kind == "remat" for w in ev.writes
+                   if w is not None and w not in schedule.roots]
+        return frozenset(w for w in copies if view.materialized[schedule.tensor(w)]
+                         and len(readers.get(w, ())) == 1
+                         and feeds_reduction(next(iter(readers[w]))))
 
     def _held_residuals(self, branches: frozenset[int]) -> dict[int, list[int]]:
         """Event index -> forward buffers read through the barrier at that event.
@@ -628,6 +693,20 @@ class _Interpreter:
                                  w, env)
                 else:  # remat / fused: re-issue the producer equation
                     self._issue(ev, env)
+                    # The re-issued copy of a buffer the plain step writes out, left with
+                    # one reader: XLA would fuse it into that reader, and where the reader
+                    # feeds a reduction, the fused reduction may sum in another order
+                    # (ResNet-50 small on the CPU: BatchNorm's centred input x - mean,
+                    # re-issued for its backward multiply, went into the YNN fusion of
+                    # the scale gradient's sum; 143 of 196 outputs changed bits). So the
+                    # copy is kept a buffer, as in the plain step (_kept_written: a
+                    # barrier would not do, XLA:CPU drops barriers before it fuses).
+                    # Only there: a copy XLA recomputes inside readers that sum nothing
+                    # keeps its bits and needs no buffer (and not a value the simplifier
+                    # computes through: see _tie_point).
+                    for w in ev.writes:
+                        if w in self.lone_copies and self._opaque(w):
+                            env[w] = _kept_written(env[w])
 
             scope = self.scope_starts.get(j)
             if scope is not None:
@@ -645,7 +724,15 @@ class _Interpreter:
             # decides as in the plain step, where a cheap value such as a softmax's
             # exponential is recomputed inside each reader, never written (a barrier
             # would write and read it back once per layer, as jax.checkpoint does not).
-            # (Not a value the simplifier computes through: see _tie_point.)
+            # (Not a value the simplifier computes through: see _tie_point.) On the CPU
+            # the barrier is gone before XLA fuses; a copy whose lone reader sums is kept
+            # a buffer there by _kept_written (ResNet-50 small: the last block's residual
+            # sum, re-issued for the ReLU's backward mask, left its first copy to the
+            # ReLU and the average pool, whose YNN fusion then took in the sum and the
+            # BatchNorm before it, and the pooled sum changed bits).
+            for w in outs:
+                if w in self.lone_copies and self._opaque(w):
+                    env[w] = _kept_written(env[w])
             kept = [w for w in outs if w in self.split and self._opaque(w)]
             if kept:
                 for w, value in zip(kept, _barrier([env[w] for w in kept])):
