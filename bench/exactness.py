@@ -1,7 +1,8 @@
-"""Bitwise exactness of every planner's emitted step on zoo models (tiny, CPU).
+"""Bitwise exactness of every planner's emitted step on zoo models (run on the CPU).
 
-``python -m bench.exactness MODELS PLANNERS [FRACTION [TARGET]]`` plans each
-tiny train step for ``TARGET`` (default ``cpu``; ``h100`` and ``h200`` plan for
+``python -m bench.exactness MODELS PLANNERS [FRACTION [TARGET [SIZE]]]`` plans each
+train step of ``SIZE`` (default ``tiny``; ``small`` for larger reductions) for
+``TARGET`` (default ``cpu``; ``h100`` and ``h200`` plan for
 the GPU's fusions, as a user with a GPU gets them) at ``FRACTION`` (default 0.5)
 of its simulated peak with every planner, runs the emitted step and the plain
 step on the CPU, and
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fraction = float(args[2]) if len(args) > 2 else 0.5
     target = args[3] if len(args) > 3 else "cpu"
+    size = args[4] if len(args) > 4 else "tiny"
 
     import jax
     import numpy as np
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     cost_model = CostModel.for_target(target)
     failures = 0
     for model in args[0].split(","):
-        zs = zoo.build(model, "tiny", step="train")
+        zs = zoo.build(model, size, step="train")
         graph = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,
                             arg_roles=zs.arg_roles, target=target)
         budget = int(fraction * plan_lib.simulate_plan(graph, plan_lib.unplanned(graph)).peak_bytes)

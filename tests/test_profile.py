@@ -3,13 +3,11 @@ to the graph's ops, and used by the planners in place of the roofline."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jaxmem
@@ -18,6 +16,7 @@ from jaxmem.costmodel import CostModel
 from jaxmem.graph import build_graph
 from jaxmem.plan import unplanned
 from jaxmem.planners.sublinear import estimate_time_s
+from test_optimize import _mlp_args, _same
 
 US = 1e-6
 
@@ -28,17 +27,8 @@ def _mlp_loss(params, x):
     return jnp.sum(x ** 2)
 
 
-def _mlp_args(layers=4, batch=64, width=32, hidden=128):
-    keys = jax.random.split(jax.random.PRNGKey(0), 2 * layers + 1)
-    params = [(jax.random.normal(keys[2 * i], (width, hidden)) / width,
-               jax.random.normal(keys[2 * i + 1], (hidden, width)) / hidden)
-              for i in range(layers)]
-    return params, jax.random.normal(keys[-1], (batch, width))
-
-
-def _same(a, b) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(y))
-               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+def _args(layers=4):
+    return _mlp_args(layers=layers, batch=64, width=32, hidden=128)
 
 
 def _table(graph, seconds):
@@ -129,7 +119,7 @@ def test_an_abstract_key_cannot_be_made_and_says_what_to_do():
 
 def test_a_table_of_another_graph_is_refused(mlp_tiny):
     _, _, _, t = mlp_tiny
-    other = build_graph(jax.grad(_mlp_loss), *_mlp_args(), target="h100")
+    other = build_graph(jax.grad(_mlp_loss), *_args(), target="h100")
     with pytest.raises(ValueError, match="profile the graph you plan"):
         CostModel.for_target("h100").with_op_times(t, other)
 
@@ -148,7 +138,7 @@ def test_scaling_keeps_the_shares(mlp_tiny):
 
 
 def test_a_plans_estimated_time_follows_the_table():
-    g = build_graph(jax.grad(_mlp_loss), *_mlp_args(), target="h100")
+    g = build_graph(jax.grad(_mlp_loss), *_args(), target="h100")
     roofline = CostModel.for_target("h100")
     plan = unplanned(g, planner="none", budget_bytes=1 << 30)
     ones = roofline.with_op_times(_table(g, [1.0] * len(g.ops)), g)
@@ -164,7 +154,7 @@ def test_greedy_recomputes_or_offloads_as_the_table_prices_ops():
     every op dear turns its recomputations into offloads."""
     from jaxmem.planners.greedy import plan_greedy
 
-    g = build_graph(jax.grad(_mlp_loss), *_mlp_args(), target="h100")
+    g = build_graph(jax.grad(_mlp_loss), *_args(), target="h100")
     roofline = CostModel.for_target("h100")
     budget = int(0.7 * jaxmem.plan.simulate_plan(g, unplanned(g, budget_bytes=1 << 30)).peak_bytes)
 
@@ -187,7 +177,7 @@ def test_config_checks_op_times():
 
 @pytest.mark.parametrize("target", ["cpu", "h100"])
 def test_a_profiled_plan_is_exact_and_says_how_it_was_priced(target):
-    params, x = _mlp_args()
+    params, x = _args()
     fn = jax.grad(_mlp_loss)
     plain = jaxmem.measure(fn, params, x, target=target).device_bytes
     step = jaxmem.optimize(fn, config=jaxmem.Config(
@@ -207,7 +197,7 @@ def test_a_failed_profile_is_reported_and_the_roofline_used(monkeypatch, caplog)
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 80.0GiB")
 
     monkeypatch.setattr(profile, "op_times", fail)
-    params, x = _mlp_args()
+    params, x = _args()
     step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
         budget="1GiB", target="cpu", op_times="profile"))
     with caplog.at_level(logging.WARNING, logger="jaxmem.profile"):
@@ -225,7 +215,7 @@ def test_a_sweep_profiles_once(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(profile, "op_times", counted)
-    params, x = _mlp_args(layers=2)
+    params, x = _args(layers=2)
     points = jaxmem.pareto(jax.grad(_mlp_loss), params, x, budgets=[0.9, 0.7],
                            planners=["greedy", "sublinear"],
                            config=jaxmem.Config(target="cpu", op_times="profile",
