@@ -44,10 +44,10 @@ from jaxmem import graph as graph_lib
 from jaxmem import level as level_lib
 from jaxmem import plan as plan_lib
 from jaxmem import targets as targets_lib
-from jaxmem.profile import planning_cost_model
 from jaxmem import trace as trace_lib
 from jaxmem.config import Config
 from jaxmem.errors import InfeasibleBudgetError
+from jaxmem.profile import planning_cost_model
 
 logger = logging.getLogger(__name__)
 
