@@ -83,7 +83,7 @@ def _model(model: str, ns: argparse.Namespace) -> list[dict[str, Any]]:
     from jaxmem import profile, targets
     from jaxmem.costmodel import CostModel
     from jaxmem.graph import build_graph
-    from jaxmem.optimize import _abstract, verify
+    from jaxmem.optimize import _abstract, device_bytes, verify
 
     target = targets.get("cpu")
     zs = zoo.build(model, ns.size, step="train")
@@ -101,8 +101,7 @@ def _model(model: str, ns: argparse.Namespace) -> list[dict[str, Any]]:
     abstract = _abstract(zs.args, target)
     plain = jax.jit(zs.fn, donate_argnums=zs.donate_argnums).lower(*abstract).compile(
         compiler_options=target.compiler_options)
-    plain_bytes = jaxmem.measure(zs.fn, *zs.args, target="cpu",
-                                 donate_argnums=zs.donate_argnums).device_bytes
+    plain_bytes = device_bytes(plain)[0]
     variants = [_Variant("plain", plain, {"model": model, "planner": "none",
                                            "compiled_peak_bytes": plain_bytes})]
     for fraction in (float(b) for b in ns.budgets.split(",")):
@@ -161,15 +160,17 @@ def _time(variants: list[_Variant], args: tuple[Any, ...], repeats: int) -> None
     """Warm up every variant, then time them in interleaved rounds on fresh argument copies."""
     import jax
 
+    from bench.cputime import _copy, _host
+
     def once(v: _Variant) -> float:
-        fresh = jax.tree_util.tree_map(lambda x: x.copy() if hasattr(x, "copy") else x, args)
+        fresh = jax.tree_util.tree_map(_copy, args)
         jax.block_until_ready(fresh)
         start = time.perf_counter()
         out = v.compiled(*fresh)
         jax.block_until_ready(out)
         took = time.perf_counter() - start
         if v.outputs is None:
-            v.outputs = jax.tree_util.tree_map(lambda x: jax.device_get(x), out)
+            v.outputs = jax.tree_util.tree_map(_host, out)
         return took
 
     for v in variants:

@@ -65,6 +65,7 @@ from jax.extend import core as jcore
 
 from jaxmem import emit as emit_lib
 from jaxmem import targets as targets_lib
+from jaxmem.config import OP_TIMES
 from jaxmem.costmodel import CostModel
 from jaxmem.hlo import HloModule, parse_module
 
@@ -234,9 +235,9 @@ def planning_cost_model(graph: Any, target: targets_lib.Target, op_times_choice:
     model = CostModel.for_target(target)
     if op_times_choice == "roofline":
         return model, ()
-    if op_times_choice != "profile":
-        raise ValueError(f"op_times={op_times_choice!r}: allowed values are 'roofline', "
-                         f"'profile'")
+    if op_times_choice not in OP_TIMES:
+        raise ValueError(f"op_times={op_times_choice!r}: allowed values are "
+                         f"{', '.join(OP_TIMES)}")
     try:
         times = op_times(graph, *args, repeats=repeats, **kwargs)
     except (RuntimeError, ValueError) as err:  # XlaRuntimeError (out of memory) included
