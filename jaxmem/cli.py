@@ -28,6 +28,8 @@ import logging
 import sys
 from typing import Any, Callable, Iterator, Sequence
 
+from jaxmem.config import DEFAULT_PLANNER
+
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_INFEASIBLE = 3
@@ -291,12 +293,14 @@ def parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="plan a step and print the plan")
     common(plan)
-    plan.add_argument("--planner", default="greedy")
+    plan.add_argument("--planner", default=DEFAULT_PLANNER,
+                      help=f"a registered planner (default {DEFAULT_PLANNER})")
     plan.add_argument("--report", metavar="DIR", help="write report.png and report.html to DIR")
     plan.set_defaults(run=cmd_plan)
     explain = sub.add_parser("explain", help="the tensors at the peak, before and after the plan")
     common(explain)
-    explain.add_argument("--planner", default="greedy")
+    explain.add_argument("--planner", default=DEFAULT_PLANNER,
+                         help=f"a registered planner (default {DEFAULT_PLANNER})")
     explain.add_argument("--top", type=int, default=10)
     explain.add_argument("--report", metavar="DIR", help="write report.png and report.html to DIR")
     explain.set_defaults(run=cmd_explain)

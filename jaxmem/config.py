@@ -23,7 +23,7 @@ OpTimesChoice = Literal["roofline", "profile"]
 TARGET_CHOICES: tuple[str, ...] = ("h100", "h200", "cpu", "auto")
 ON_OVER_BUDGET: tuple[str, ...] = ("raise", "warn")
 OP_TIMES: tuple[str, ...] = ("roofline", "profile")
-DEFAULT_PLANNER = "greedy"
+DEFAULT_PLANNER = "cpsat"
 DEFAULT_HOST_BUDGET_BYTES = 64 << 30  # XLA's pinned-host pool on a GPU, unless raised
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

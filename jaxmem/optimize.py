@@ -313,7 +313,8 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         plan = chosen.plan.replace(status="over_budget", budget_bytes=budget, notes=notes)
         return plan, built[best][0], built[best][1], tuple(rounds)
     raise InfeasibleBudgetError(budget, chosen.compiled_bytes, chosen.compiled_bytes,
-                                detail=f"planner {config.planner!r} on {target.name}: {tried}")
+                                detail=f"planner {config.planner!r} on {target.name}: {tried}",
+                                planner=config.planner)
 
 
 def _bitwise_hint(graph: Any, config: Config) -> str:

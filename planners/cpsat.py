@@ -18,6 +18,10 @@ lower peak.
 
 How it runs, within ``time_limit_s``:
 
+0. **Nothing to do.** When the step as written (program order, nothing
+   re-issued or offloaded) fits under the simulator, it is returned at once with
+   status ``"ok"`` and gap 0: every plan runs each op at least once, so no plan
+   is estimated faster.
 1. **Warm start.** Program order and the plans of the heuristic planners
    (``greedy``, ``chen``, ``sublinear``, the three ``keep_matmuls`` planners and
    ``blocks`` with each of its ``save`` choices by default) are mapped onto the coarse
@@ -50,6 +54,14 @@ How it runs, within ``time_limit_s``:
    otherwise the fastest one without offloads estimated faster than the returned
    plan and simulated within 10% over the budget as given (a compile decides whether
    it fits).
+5. **State placement** (``allow_state_offload``, level 4). ``greedy`` places
+   parameters and optimizer state on pinned host when its remat and offload
+   cannot fit; when no candidate fits without a placement, the same placement step
+   (:func:`jaxmem.planners.greedy.place_state`) runs on the solver's plan and on
+   the two lowest-peak heuristic plans, and those compete too. Candidates with a
+   placement are scored by :func:`jaxmem.placement.simulate_plan` and the
+   estimate plus :func:`jaxmem.placement.update_time_s`. The solver's plan with
+   state placed is status ``"ok"`` without a bound (the solver places no state).
 
 ``lower_bound`` and ``gap`` are the solver's, on its objective: the step time
 (seconds) of the coarse model, whose durations are rounded up to ticks.
@@ -71,7 +83,8 @@ default ``budget / 2000``: fewer variables, little memory left on the table),
 registered planners whose plans warm-start the solver and compete with its plan,
 ``"blocks:<save>"`` being ``blocks`` with that ``save`` option;
 ``order_dfs`` / ``order_bfs`` may be added, at a cost of seconds to minutes on large graphs),
-``verify_budget_bytes`` (None; set by the verify loop, see above).
+``verify_budget_bytes`` (None; set by the verify loop, see above),
+``allow_state_offload`` (False; step 5), ``bitwise`` (True; passed to the remat heuristics).
 
 >>> import jax, jax.numpy as jnp
 >>> from jaxmem.graph import build_graph
@@ -90,6 +103,7 @@ import logging
 import time
 from typing import Any, Mapping
 
+from jaxmem import placement as placement_lib
 from jaxmem import plan as plan_lib
 from jaxmem.planners import _cpsat_model
 from jaxmem.planners._cpsat_hint import repair
@@ -97,6 +111,7 @@ from jaxmem.planners._cpsat_problem import Evaluation, Schedule, evaluate
 from jaxmem.planners._registry import get, register
 from jaxmem.planners.blocks import SAVE
 from jaxmem.planners.coarsen import Coarsening, coarsen, plan_schedule, schedule_fields
+from jaxmem.planners.greedy import place_state
 from jaxmem.planners.sublinear import estimate_time_s
 
 logger = logging.getLogger(__name__)
@@ -109,10 +124,8 @@ DEFAULTS: dict[str, Any] = {
     "tie_blocks": False, "min_decision_bytes": None,
     "heuristics": ("greedy", "chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch",
                    "keep_matmuls_fit", "blocks", "blocks:dots", "blocks:dots_no_batch"),
-    "verify_budget_bytes": None, "bitwise": True,
+    "verify_budget_bytes": None, "bitwise": True, "allow_state_offload": False,
 }
-# Options other callers pass to every planner (jaxmem.Config.planner_options); accepted, unused.
-_IGNORED = frozenset({"allow_state_offload"})
 # Shares of the time limit: each heuristic planner (greedy must finish to be a
 # fair warm start and rival: it takes seconds on a GPT-2 step), and (of what is
 # left) the fixed-order solve when the order may change afterwards.
@@ -136,6 +149,10 @@ _OVER_PREDICTION = 0.20
 # 5.8% over and compiles 4 MiB under it, as the fastest plan).
 _FASTER_OVER = 0.10
 _DECISION_FRACTION = 2000
+# With allow_state_offload and nothing fitting: how many heuristic plans (lowest peaks
+# first) get state placed on them besides the solver's.
+_PLACED = 2
+_PLACED_NAME = "{} + state on host"
 
 _BAD_OPTION = ("cpsat: unknown option {key!r} (value {value!r}); allowed: {allowed}. Fix: drop it "
                "or check its spelling.")
@@ -154,8 +171,6 @@ class _Scored:
 def _options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     opts = dict(DEFAULTS)
     for key, value in (options or {}).items():
-        if key in _IGNORED:
-            continue
         if key not in DEFAULTS:
             raise ValueError(_BAD_OPTION.format(key=key, value=value,
                                                 allowed=", ".join(sorted(DEFAULTS))))
@@ -179,8 +194,31 @@ def _options(options: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def _score(graph: Any, name: str, plan: plan_lib.Plan, cost_model: Any) -> _Scored:
-    sim = plan_lib.simulate_plan(graph, plan)
-    return _Scored(name, plan, sim.peak_bytes, estimate_time_s(graph, plan, cost_model))
+    """``plan`` with its simulated peak and estimated time, its state placement included
+    (greedy's ``allow_state_offload`` plans place some; the others place none)."""
+    placed = [t for t, where in plan.placement.items() if where == "pinned_host"]
+    if not placed:
+        sim = plan_lib.simulate_plan(graph, plan)
+        return _Scored(name, plan, sim.peak_bytes, estimate_time_s(graph, plan, cost_model))
+    bare = plan.replace(placement={}, host_update=())
+    return _Scored(name, plan, placement_lib.simulate_plan(graph, plan).peak_bytes,
+                   estimate_time_s(graph, bare, cost_model)
+                   + placement_lib.update_time_s(graph, cost_model, placed, plan.host_update))
+
+
+def _placed(graph: Any, s: _Scored, budget_bytes: int, cost_model: Any,
+            opts: dict[str, Any]) -> _Scored | None:
+    """``s`` with parameters and optimizer state placed on pinned host until it fits (the
+    greedy planner's last step, :func:`jaxmem.planners.greedy.place_state`), or None when
+    placing nothing lowers its peak."""
+    host_left = (int(opts["host_budget_bytes"])
+                 - plan_lib.build_schedule(graph, s.plan).host_peak_bytes())
+    placed, _ = place_state(graph, s.plan, budget_bytes, host_left)
+    if not placed:
+        return None
+    host_update = placement_lib.choose_host_update(graph, cost_model, list(placed))
+    return _score(graph, _PLACED_NAME.format(s.name),
+                  s.plan.replace(placement=placed, host_update=host_update), cost_model)
 
 
 def _heuristic_options(name: str, opts: dict[str, Any]) -> dict[str, Any] | None:
@@ -195,6 +233,7 @@ def _heuristic_options(name: str, opts: dict[str, Any]) -> dict[str, Any] | None
     share = max(0.5, _HEURISTIC_SHARE * float(opts["time_limit_s"]))
     if name == "greedy":
         return {"allow_remat": opts["allow_remat"], "allow_offload": opts["allow_offload"],
+                "allow_state_offload": opts["allow_state_offload"],
                 "host_budget_bytes": opts["host_budget_bytes"], "time_limit_s": share}
     if name in ("chen", "sublinear", "keep_matmuls", "keep_matmuls_no_batch", "keep_matmuls_fit",
                 "blocks"):
@@ -205,10 +244,9 @@ def _heuristic_options(name: str, opts: dict[str, Any]) -> dict[str, Any] | None
 
 
 def _heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: dict[str, Any],
-                notes: list[str]) -> list[_Scored]:
-    """Program order unchanged, and each registered heuristic planner's plan."""
-    plain = plan_lib.unplanned(graph, planner=NAME, budget_bytes=budget_bytes)
-    out = [_score(graph, "program order", plain, cost_model)]
+                notes: list[str], plain: _Scored) -> list[_Scored]:
+    """Program order unchanged (``plain``), and each registered heuristic planner's plan."""
+    out = [plain]
     for name in opts["heuristics"]:
         sub = _heuristic_options(name, opts)
         if sub is None:
@@ -318,7 +356,18 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
     started = time.perf_counter()
     opts = _options(options)
     notes: list[str] = []
-    heur = _heuristics(graph, budget_bytes, cost_model, opts, notes)
+    plain = _score(graph, "program order",
+                   plan_lib.unplanned(graph, planner=NAME, budget_bytes=budget_bytes), cost_model)
+    if plain.peak_bytes <= budget_bytes:
+        # Every plan runs each op at least once, so nothing is faster than the step as
+        # written; no solve (it took seconds even on a tiny step).
+        return plain.plan.replace(
+            predicted_peak_bytes=plain.peak_bytes, predicted_time_s=plain.time_s, status="ok",
+            solve_time_s=time.perf_counter() - started, lower_bound=plain.time_s, gap=0.0,
+            bound_unit="s", notes=(f"program order fits ({plain.peak_bytes:,} B simulated): "
+                                   f"nothing to re-issue or offload, and no plan is estimated "
+                                   f"faster; not solved",))
+    heur = _heuristics(graph, budget_bytes, cost_model, opts, notes, plain)
     c = coarsen(graph, budget_bytes, cost_model, max_nodes=int(opts["max_nodes"]),
                 reserve_bytes=int(opts["reserve_bytes"]), allow_remat=bool(opts["allow_remat"]),
                 allow_offload=bool(opts["allow_offload"]),
@@ -347,14 +396,18 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
             notes.append(f"the heuristics and the warm start took {limit - left:.1f} s of the "
                          f"{limit:g} s limit; CP-SAT still gets {_SOLVE_SHARE * limit:.1f} s")
         result = _solve(c, hint[:2], opts, notes, max(left, _SOLVE_SHARE * limit))
-    return _choose(graph, budget_bytes, cost_model, c, result, heur, notes, started,
-                   opts["verify_budget_bytes"])
+    return _choose(graph, budget_bytes, cost_model, c, result, heur, notes, started, opts)
 
 
 def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
             result: _cpsat_model.SolveResult | None, heur: list[_Scored], notes: list[str],
-            started: float, verify_budget_bytes: int | None = None) -> plan_lib.Plan:
-    """The fastest plan that fits, the solver's preferred; else the lowest peak."""
+            started: float, opts: dict[str, Any]) -> plan_lib.Plan:
+    """The fastest plan that fits, the solver's preferred; else the lowest peak.
+
+    With ``allow_state_offload``, when no plan fits without placing state (greedy's
+    may fit with), state is placed on pinned host on top of the solver's plan and of
+    the lowest-peak heuristic plans, and those compete too."""
+    verify_budget_bytes = opts["verify_budget_bytes"]
     solver = None
     if result is not None and result.schedule is not None:
         order, remat, offload = schedule_fields(c, result.schedule)
@@ -366,6 +419,10 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
                      f"{result.peak * c.unit_bytes + c.fixed_bytes:,} B (it counts memory per "
                      f"node, so at or above the simulator's)")
     fits = [s for s in ([solver] if solver else []) + heur if s.peak_bytes <= budget_bytes]
+    if opts["allow_state_offload"] and all(s.plan.placement for s in fits):
+        heur = heur + _with_state_placed(graph, budget_bytes, cost_model, opts, solver, heur,
+                                         notes)
+        fits = [s for s in ([solver] if solver else []) + heur if s.peak_bytes <= budget_bytes]
     lower = gap = None
     if result is not None and result.time_bound is not None and result.time:
         lower = result.time_bound * c.tick_s
@@ -380,6 +437,11 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
             assert result is not None
             notes.append(f"solver status {result.status}; lower bound and gap are on the "
                          f"model's step time")
+        elif solver is not None and best.name == _PLACED_NAME.format(solver.name):
+            status = "ok"
+            lower = gap = None
+            notes.append(f"solver status {result.status} without state placement; with it, "
+                         f"no bound (the solver does not place state)")
         else:
             why = ("the solver found no schedule" if solver is None else
                    "the solver's plan exceeds the budget under the simulator"
@@ -414,6 +476,31 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
         predicted_time_s=best.time_s, status=status,
         solve_time_s=time.perf_counter() - started, lower_bound=lower, gap=gap,
         bound_unit="s", notes=tuple(notes))
+
+
+def _with_state_placed(graph: Any, budget_bytes: int, cost_model: Any, opts: dict[str, Any],
+                       solver: _Scored | None, heur: list[_Scored],
+                       notes: list[str]) -> list[_Scored]:
+    """The solver's plan and the ``_PLACED`` lowest-peak other heuristic plans without a
+    placement (no two with the same decisions), each with state placed on pinned host
+    (those whose peak it lowers)."""
+    seen = {solver.plan.decisions()} if solver else set()
+    bare = []
+    for s in sorted((s for s in heur if not s.plan.placement),
+                    key=lambda s: (s.peak_bytes, s.time_s)):
+        if len(bare) < _PLACED and s.plan.decisions() not in seen:
+            seen.add(s.plan.decisions())
+            bare.append(s)
+    out = []
+    for s in ([solver] if solver else []) + bare:
+        began = time.perf_counter()
+        placed = _placed(graph, s, budget_bytes, cost_model, opts)
+        if placed is not None:
+            out.append(placed)
+            notes.append(f"{placed.name}: {len(placed.plan.placement)} inputs placed in "
+                         f"{time.perf_counter() - began:.2f} s, {placed.peak_bytes:,} B, "
+                         f"{placed.time_s:.4g} s estimated")
+    return out
 
 
 def _loose(pool: list[_Scored], budget_bytes: int, given: int | None,

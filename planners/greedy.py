@@ -250,8 +250,9 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
     placed: dict[int, str] = {}
     if options.get("allow_state_offload", False) and sim.peak_bytes > budget_bytes:
         host_used = plan_lib.build_schedule(graph, decisions.plan(budget_bytes)).host_peak_bytes()
-        placed, sim = _place_state(graph, decisions.plan(budget_bytes), budget_bytes,
-                                   host_budget - host_used, start, time_limit_s)
+        deadline = None if time_limit_s is None else start + time_limit_s
+        placed, sim = place_state(graph, decisions.plan(budget_bytes), budget_bytes,
+                                  host_budget - host_used, deadline)
     notes = [f"{rounds} rounds; greedy keeps program order"]
     host_update: tuple[int, ...] = ()
     if placed:
@@ -275,20 +276,22 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
         + placement_lib.update_time_s(graph, cost_model, list(placed), host_update))
 
 
-def _place_state(graph: Any, plan: plan_lib.Plan, budget_bytes: int, host_left: int,
-                 start: float, time_limit_s: float | None) -> tuple[dict[int, str], Any]:
+def place_state(graph: Any, plan: plan_lib.Plan, budget_bytes: int, host_left: int,
+                deadline: float | None = None) -> tuple[dict[int, str], Any]:
     """Inputs to place on pinned host, and the placement-aware simulation of the result.
 
     Candidates are tried in :func:`jaxmem.placement.candidates` order (optimizer
     state first, larger first: every byte costs the same link time, so bytes per
-    second of copies ranks them alike); one is kept when it lowers the peak.
+    second of copies ranks them alike); one is kept when it lowers the peak. Stops
+    when the peak fits ``budget_bytes``, or at ``deadline`` (a ``time.perf_counter()``
+    value), logged.
     """
     placed: dict[int, str] = {}
     sim = placement_lib.simulate_plan(graph, plan)
     for t in placement_lib.candidates(graph):
         if sim.peak_bytes <= budget_bytes:
             break
-        if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
+        if deadline is not None and time.perf_counter() > deadline:
             logger.info("greedy: time limit reached while placing state; %d placed", len(placed))
             break
         cost = placement_lib.host_bytes(graph, [t])

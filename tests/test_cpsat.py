@@ -422,11 +422,26 @@ def test_over_budget_and_fallback_are_reported():
     assert tiny.status == "over_budget"
     assert any("more than the budget" in n for n in tiny.notes)
     assert tiny.predicted_peak_bytes == plan_lib.simulate_plan(g, tiny).peak_bytes
-    # one coarse node holds every buffer at once: the model cannot fit what the
-    # program order already fits, so the heuristic plan is returned as a fallback
-    plain = plan_cpsat(g, unplanned_peak(g), H100, dict(FAST, max_nodes=1))
-    assert plain.status.startswith("fallback: ") and "no schedule" in plain.status
-    assert plain.predicted_peak_bytes <= plain.budget_bytes
+    # one coarse node holds every buffer at once: the model cannot fit below the program
+    # order's peak, so a heuristic plan that does is returned as a fallback
+    budget = unplanned_peak(g) * 9 // 10
+    planned = plan_cpsat(g, budget, H100, dict(FAST, max_nodes=1))
+    assert planned.status.startswith("fallback: ") and "no schedule" in planned.status
+    assert planned.predicted_peak_bytes <= budget
+    assert planned.lower_bound is None and planned.gap is None
+
+
+def test_a_step_that_fits_as_written_is_returned_at_once_as_optimal():
+    loss, ws, x = tiny_mlp(2)
+    g = build_graph(jax.grad(loss), ws, x)
+    peak = unplanned_peak(g)
+    plan = plan_cpsat(g, peak, H100, FAST)
+    assert (plan.status, plan.remat, plan.offload) == ("ok", {}, {})
+    assert plan.order == tuple(range(len(g.ops)))
+    assert plan.gap == 0.0 and plan.lower_bound == plan.predicted_time_s
+    assert plan.predicted_time_s == estimate_time_s(g, plan, H100)
+    assert plan.solve_time_s < 1.0      # no solve: the heuristics alone take seconds
+    assert plan_cpsat(g, peak - 1, H100, FAST).remat  # a byte less needs a real plan
 
 
 def test_emitted_plan_is_bitwise_exact_on_cpu():

@@ -184,6 +184,26 @@ def test_greedy_places_state_only_when_allowed_and_the_compiled_step_shrinks():
     assert _device_bytes(compiled(with_state)) < _device_bytes(compiled(without))
 
 
+def test_cpsat_places_state_on_top_of_its_own_plan_when_nothing_else_fits():
+    from jaxmem.planners import cpsat
+
+    h100 = targets.get("h100")
+    graph = analyse(trace(_momentum_step, *h100.place(_momentum_args())), "h100")
+    unplanned = plan_lib.simulate_plan(graph, plan_lib.unplanned(graph)).peak_bytes
+    budget, cost = int(0.85 * unplanned), CostModel.for_target("h100")
+    options = {"time_limit_s": 3.0}
+    without = cpsat.plan_cpsat(graph, budget, cost, options)
+    with_state = cpsat.plan_cpsat(graph, budget, cost, {**options, "allow_state_offload": True})
+    assert without.status == "over_budget" and not without.placement
+    assert with_state.status != "over_budget" and with_state.placement, with_state.notes
+    assert with_state.predicted_peak_bytes <= budget
+    assert with_state.predicted_peak_bytes == placement.simulate_plan(graph, with_state).peak_bytes
+    assert any("+ state on host" in n for n in with_state.notes)
+    # the placed candidate's time includes the state's copies
+    greedy_time = greedy.plan_greedy(graph, budget, cost, {"allow_state_offload": True})
+    assert with_state.predicted_time_s <= greedy_time.predicted_time_s * (1 + 1e-9)
+
+
 def test_optimize_with_state_placement_fits_where_it_did_not_and_runs_exactly():
     import jaxmem
 
