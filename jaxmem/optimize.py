@@ -160,7 +160,8 @@ def compile_plan(graph: Any, plan: plan_lib.Plan, target: targets_lib.Target,
 
 def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args: Sequence[Any],
            donate_argnums: tuple[int, ...], counters: dict[str, int] | None = None,
-           plain_first: bool = False, cost_model: Any = None, cost_notes: Sequence[str] = ()
+           plain_first: bool = False, cost_model: Any = None, cost_notes: Sequence[str] = (),
+           costs: Callable[[], tuple[Any, Sequence[str]]] | None = None
            ) -> tuple[plan_lib.Plan, Any, jax.stages.Compiled, tuple[Round, ...]]:
     """Plan, emit and compile until the compiled step fits the budget.
 
@@ -179,6 +180,9 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         (:func:`jaxmem.profile.planning_cost_model`); by default made here from
         ``config.op_times`` (a profile then runs on zeros of ``abstract_args``'
         shapes on JAX's default device).
+      costs: instead of ``cost_model`` and ``cost_notes``, a function that makes
+        them. Either way they are made (a profile run) only when a planner runs:
+        not when ``plain_first``'s step as written fits.
 
     Returns:
       The accepted plan, its jitted emitted step, its compiled form and every round.
@@ -191,9 +195,15 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
 
     counters = counters if counters is not None else {}
     planner = planners.get(config.planner).fn
-    if cost_model is None:
-        cost_model, cost_notes = planning_cost_model(graph, target, config.op_times,
-                                                     *abstract_args)
+    made: list[tuple[Any, Sequence[str]]] = [] if cost_model is None else [
+        (cost_model, cost_notes)]
+
+    def planning_costs() -> tuple[Any, Sequence[str]]:
+        if not made:
+            made.append(costs() if costs is not None else planning_cost_model(
+                graph, target, config.op_times, *abstract_args))
+        return made[0]
+
     options = config.planner_options()
     budget = config.budget_bytes(target)
     internal = budget
@@ -222,7 +232,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         compile_plain("the step as written, with its blocks' verified decision table")
     for _ in range(config.verify_rounds if not rounds or rounds[0].compiled_bytes > budget
                    else 0):
-        plan = planner(graph, internal, cost_model,
+        plan = planner(graph, internal, planning_costs()[0],
                        {**options, "verify_budget_bytes": budget if internal < budget else None})
         counters["plans"] = counters.get("plans", 0) + 1
         decisions = plan.decisions()
@@ -296,7 +306,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
     # The verified status replaces the planner's; a fallback it reported stays in the notes.
     fell_back = (() if chosen.plan.status in ("ok", "over_budget") else
                  (f"planner status: {chosen.plan.status}",))
-    notes = (*fell_back, *cost_notes, *chosen.plan.notes, *ranking,
+    notes = (*fell_back, *(made[0][1] if made else ()), *chosen.plan.notes, *ranking,
              f"verified on {target.name}: {chosen.compiled_bytes / _MiB:,.1f} MiB device + "
              f"{chosen.host_bytes / _MiB:,.1f} MiB host compiled, round {best + 1} of "
              f"{len(rounds)}")
@@ -487,6 +497,7 @@ class Optimized:
         functools.update_wrapper(self, fun)
         self._entries: dict[Any, _Entry] = {}
         self._plans: dict[Any, plan_lib.Plan] = {}
+        self._costs: dict[Any, tuple[Any, tuple[str, ...]]] = {}
         self._counters: dict[str, int] = {"plans": 0, "compiles": 0, "fallbacks": 0}
         self._disk: dict[Any, cache_lib.PlanCache] = {}
 
@@ -545,7 +556,8 @@ class Optimized:
             disk = self._disk_cache(config)
             plan = _cached_plan(disk, plan_key(graph, config, target), graph) if disk else None
             if plan is None:
-                cost_model, cost_notes = planning_cost_model(graph, target, config.op_times, *dyn)
+                cost_model, cost_notes = self._planning_costs((key, True), graph, target,
+                                                              config, dyn)
                 plan = planners.get(config.planner).fn(
                     graph, config.budget_bytes(target), cost_model, config.planner_options())
                 plan = plan.replace(notes=(*cost_notes, *plan.notes))
@@ -647,6 +659,14 @@ class Optimized:
         rebuild.donated = donated  # type: ignore[attr-defined]
         return key, dyn, rebuild
 
+    def _planning_costs(self, memo: Any, graph: Any, target: targets_lib.Target,
+                        config: Config, dyn: tuple[Any, ...]) -> tuple[Any, tuple[str, ...]]:
+        """The planners' cost model and its notes for ``graph``, made once per ``memo``
+        (``op_times="profile"`` runs the step: ``.plan()`` then a call profile once)."""
+        if memo not in self._costs:
+            self._costs[memo] = planning_cost_model(graph, target, config.op_times, *dyn)
+        return self._costs[memo]
+
     def _graph(self, dyn: tuple[Any, ...], rebuild: Any, target: targets_lib.Target) -> Any:
         program = trace_lib.trace(rebuild, *dyn, donate_argnums=rebuild.donated)
         return graph_lib.analyse(program, target.name)
@@ -672,11 +692,12 @@ class Optimized:
     def _entry(self, key: Any, dyn: tuple[Any, ...], rebuild: Any) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._build(dyn, rebuild, key[0])
+            entry = self._build(dyn, rebuild, key)
             self._entries[key] = entry
         return entry
 
-    def _build(self, dyn: tuple[Any, ...], rebuild: Any, level: int | None = None) -> _Entry:
+    def _build(self, dyn: tuple[Any, ...], rebuild: Any, entry_key: Any) -> _Entry:
+        level = entry_key[0]
         config = effective_config(self.config, level)
         target = config.resolve_target(dyn)
         donated = rebuild.donated
@@ -712,10 +733,11 @@ class Optimized:
             fits = (block_plan is not None and block_plan.compiled_peak_bytes is not None
                     and block_plan.compiled_peak_bytes <= config.budget_bytes(target))
             # Profiled op times come from the arguments as passed: where they live.
-            cost_model, cost_notes = planning_cost_model(graph, target, config.op_times, *dyn)
-            plan, jitted, compiled, rounds = verify(graph, config, target, abstract, donated,
-                                                    self._counters, plain_first=fits,
-                                                    cost_model=cost_model, cost_notes=cost_notes)
+            plan, jitted, compiled, rounds = verify(
+                graph, config, target, abstract, donated, self._counters, plain_first=fits,
+                # the graph .plan() priced, unless the blocks' decision table changed it
+                costs=lambda: self._planning_costs((entry_key, block_plan is None), graph,
+                                                   target, config, dyn))
             if disk is not None:
                 disk.store(key, plan)
         plan = plan.replace(graph=graph)

@@ -223,6 +223,27 @@ def test_a_sweep_profiles_once(monkeypatch):
     assert len(points) == 4 and len(calls) == 1
 
 
+def test_plan_then_call_profile_the_step_once(monkeypatch):
+    calls = []
+    real = profile.op_times
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(profile, "op_times", counted)
+    params, x = _args(layers=2)
+    fn = jax.grad(_mlp_loss)
+    plain = jaxmem.measure(fn, params, x, target="cpu").device_bytes
+    step = jaxmem.optimize(fn, config=jaxmem.Config(
+        budget=int(0.8 * plain), target="cpu", planner="sublinear", op_times="profile",
+        on_over_budget="warn"))
+    step.plan(params, x)
+    verified = step.verified(params, x)
+    assert len(calls) == 1
+    assert any("op times profiled on cpu" in n for n in verified.plan.notes)
+
+
 def test_the_bench_passes_op_times_on():
     from bench.options import parse
 
