@@ -206,8 +206,10 @@ def test_a_failed_profile_is_reported_and_the_roofline_used(monkeypatch, caplog)
     assert "trial run failed" in caplog.text
 
 
-def test_a_sweep_profiles_once(monkeypatch):
-    calls = []
+@pytest.fixture
+def profiles(monkeypatch) -> list[int]:
+    """One entry per profile run (``profile.op_times`` call) during the test."""
+    calls: list[int] = []
     real = profile.op_times
 
     def counted(*args, **kwargs):
@@ -215,23 +217,19 @@ def test_a_sweep_profiles_once(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(profile, "op_times", counted)
+    return calls
+
+
+def test_a_sweep_profiles_once(profiles):
     params, x = _args(layers=2)
     points = jaxmem.pareto(jax.grad(_mlp_loss), params, x, budgets=[0.9, 0.7],
                            planners=["greedy", "sublinear"],
                            config=jaxmem.Config(target="cpu", op_times="profile",
                                                 on_over_budget="warn"))
-    assert len(points) == 4 and len(calls) == 1
+    assert len(points) == 4 and len(profiles) == 1
 
 
-def test_plan_then_call_profile_the_step_once(monkeypatch):
-    calls = []
-    real = profile.op_times
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(profile, "op_times", counted)
+def test_plan_then_call_profile_the_step_once(profiles):
     params, x = _args(layers=2)
     fn = jax.grad(_mlp_loss)
     plain = jaxmem.measure(fn, params, x, target="cpu").device_bytes
@@ -240,7 +238,7 @@ def test_plan_then_call_profile_the_step_once(monkeypatch):
         on_over_budget="warn"))
     step.plan(params, x)
     verified = step.verified(params, x)
-    assert len(calls) == 1
+    assert len(profiles) == 1
     assert any("op times profiled on cpu" in n for n in verified.plan.notes)
 
 
