@@ -30,7 +30,8 @@ ENV_VAR = "JAXMEM_LEVEL"
 LEVELS = (0, 1, 2, 3, 4)
 
 # Parameter / optimizer-state placement (issue 9): emitted by jaxmem.emit and planned by
-# the greedy planner (jaxmem.placement); planners that do not place state ignore the flag.
+# the greedy planner (jaxmem.placement) and cpsat through it; planners that do not place
+# state ignore the flag.
 _STATE_PLACEMENT_AVAILABLE = True
 
 

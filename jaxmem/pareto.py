@@ -20,7 +20,7 @@ reports), when that lies between the failed budget and the last fitted one.
 >>> points = jaxmem.pareto(step, jnp.ones((32, 32)), jnp.ones((64, 32)), budgets=[1.0],
 ...                        config=jaxmem.Config(target="cpu"))
 >>> [(p.planner, p.status) for p in points]
-[('greedy', 'ok')]
+[('cpsat', 'ok')]
 """
 
 from __future__ import annotations
