@@ -11,10 +11,13 @@ Record fields beyond DESIGN.md §4: ``kind`` (peer or planner), ``budget``
 and cost figures of :class:`jaxmem.measure.Report`, ``peak_ratio``,
 ``flops_ratio``, ``est_time_ratio`` and ``cpu_step_time_ratio`` (to ``none``
 of the same model), ``min_feasible_bytes`` (from an infeasible planner),
-``cpu_error``. ``grads_match`` compares all outputs of the step (loss and
-gradients, or loss and the updated train state) bit for bit with ``none``'s
-on the same arguments; for ``none`` itself it says its repeated runs agree bit
-for bit. Figures that do not exist yet are ``null``.
+``plan_lower_bound``, ``plan_gap``, ``plan_bound_unit`` and ``plan_notes`` (the
+accepted plan's own account: the solver's bound and gap, a fallback to a
+heuristic plan, the verify rounds), ``cpu_error``. ``grads_match`` compares
+all outputs of the step (loss and gradients, or loss and the updated train
+state) bit for bit with ``none``'s on the same arguments; for ``none`` itself
+it says its repeated runs agree bit for bit. Figures that do not exist yet are
+``null``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class _Outcome:
     solve_time_s: float | None = None
     min_feasible_bytes: int | None = None
     step: Any = None
+    plan: Any = None
 
 
 def run(options: Options, *, builder: Builder | None = None) -> list[dict[str, Any]]:
@@ -214,7 +218,7 @@ def _planned(name: str, zoo: Any, budget_bytes: int | None, target: targets.Targ
                               f"unplanned ({fallbacks} fallback(s); the log says why)")
     return _Outcome(report=report, step=step,
                     predicted_peak_bytes=getattr(plan, "predicted_peak_bytes", None),
-                    solve_time_s=getattr(plan, "solve_time_s", None))
+                    solve_time_s=getattr(plan, "solve_time_s", None), plan=plan)
 
 
 def _plan_of(step: Any, args: tuple[Any, ...]) -> Any:
@@ -280,6 +284,7 @@ def _record(model: str, planner: str, kind: str, budget: Budget, budget_bytes: i
                              else None),
         "solve_time_s": outcome.solve_time_s,
         "min_feasible_bytes": outcome.min_feasible_bytes,
+        **_plan_fields(outcome.plan),
     }
     fields = ("peak_memory_in_bytes", "host_bytes", "temp_bytes", "argument_bytes",
               "output_bytes", "alias_bytes", "flops", "matmul_flops", "bytes_accessed",
@@ -303,6 +308,16 @@ def _record(model: str, planner: str, kind: str, budget: Budget, budget_bytes: i
     record["jaxmem_version"] = jaxmem.__version__
     record["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return record
+
+
+def _plan_fields(plan: Any) -> dict[str, Any]:
+    """What the accepted plan says of itself: the solver's bound and gap (on the planner's
+    objective, in ``plan_bound_unit``) and its notes (a fallback, the candidate chosen, the
+    verify rounds); ``None`` where no plan was accepted."""
+    return {"plan_lower_bound": getattr(plan, "lower_bound", None),
+            "plan_gap": getattr(plan, "gap", None),
+            "plan_bound_unit": getattr(plan, "bound_unit", None),
+            "plan_notes": None if plan is None else list(getattr(plan, "notes", ()))}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -107,7 +107,8 @@ def _outcome(point: Point) -> _Outcome:
     plan = point.plan
     outcome = _Outcome(report=point.report, step=point.step,
                        predicted_peak_bytes=plan.predicted_peak_bytes if plan else None,
-                       solve_time_s=point.solve_time_s, min_feasible_bytes=point.min_feasible_bytes)
+                       solve_time_s=point.solve_time_s, min_feasible_bytes=point.min_feasible_bytes,
+                       plan=plan)
     if point.status == "infeasible":
         outcome.infeasible = True
         outcome.error = "infeasible"

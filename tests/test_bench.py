@@ -241,6 +241,9 @@ def test_sweep_on_the_tiny_mlp_writes_records_and_the_frontier_plot(tmp_path, ca
             assert r["compiled_peak_bytes"] <= r["budget_bytes"] and r["est_step_time_s"] > 0
             assert r["grads_match"] is True and r["monotone"] is True
             assert r["elapsed_s"] > 0 and r["compile_time_s"] is None
+            assert any(n.startswith("verified on h100") for n in r["plan_notes"])
+        else:
+            assert r["plan_notes"] is None  # no plan was accepted
     budgets = {r["budget_bytes"] for r in greedy}
     for peer in ("none", "full"):  # measured once, one record per budget of the sweep
         mine = [r for r in records if r["planner"] == peer]
