@@ -11,13 +11,15 @@ Record fields beyond DESIGN.md §4: ``kind`` (peer or planner), ``budget``
 and cost figures of :class:`jaxmem.measure.Report`, ``peak_ratio``,
 ``flops_ratio``, ``est_time_ratio`` and ``cpu_step_time_ratio`` (to ``none``
 of the same model), ``min_feasible_bytes`` (from an infeasible planner),
-``plan_lower_bound``, ``plan_gap``, ``plan_bound_unit`` and ``plan_notes`` (the
-accepted plan's own account: the solver's bound and gap, a fallback to a
-heuristic plan, the verify rounds), ``cpu_error``. ``grads_match`` compares
-all outputs of the step (loss and gradients, or loss and the updated train
-state) bit for bit with ``none``'s on the same arguments; for ``none`` itself
-it says its repeated runs agree bit for bit. Figures that do not exist yet are
-``null``.
+``elapsed_s`` (a planner's wall time: tracing, every verify round's planning
+and compiling, and measuring), ``plan_lower_bound``, ``plan_gap``,
+``plan_bound_unit`` and ``plan_notes`` (the accepted plan's own account: the
+solver's bound and gap, a fallback to a heuristic plan, the verify rounds),
+``cpu_error``. ``solve_time_s`` is the wall time of every planner call of the
+verify loop. ``grads_match`` compares all outputs of the step (loss and
+gradients, or loss and the updated train state) bit for bit with ``none``'s
+on the same arguments; for ``none`` itself it says its repeated runs agree bit
+for bit. Figures that do not exist yet are ``null``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import logging
 import os
 import sys
+import time
 from typing import Any, Callable, Iterator
 
 import jax
@@ -62,6 +65,7 @@ class _Outcome:
     min_feasible_bytes: int | None = None
     step: Any = None
     plan: Any = None
+    elapsed_s: float | None = None
 
 
 def run(options: Options, *, builder: Builder | None = None) -> list[dict[str, Any]]:
@@ -201,6 +205,7 @@ def _planned(name: str, zoo: Any, budget_bytes: int | None, target: targets.Targ
         return _Outcome(error=reference.error or "error: the step could not be built")
     if budget_bytes is None:
         return _Outcome(error=_unresolved(reference))
+    started = time.perf_counter()
     try:
         step = _optimize(name, zoo, budget_bytes, target, time_limit_s, bitwise=bitwise,
                          op_times=op_times)
@@ -211,14 +216,19 @@ def _planned(name: str, zoo: Any, budget_bytes: int | None, target: targets.Targ
         if not infeasible:
             logger.exception("planner %r failed on %s", name, zoo.name)
         return _Outcome(error=_describe(err), infeasible=infeasible,
-                        min_feasible_bytes=getattr(err, "min_feasible_bytes", None))
-    fallbacks = getattr(getattr(step, "cache_info", lambda: None)(), "fallbacks", 0)
+                        min_feasible_bytes=getattr(err, "min_feasible_bytes", None),
+                        elapsed_s=time.perf_counter() - started)
+    elapsed_s = time.perf_counter() - started
+    info = getattr(step, "cache_info", lambda: None)()
+    fallbacks = getattr(info, "fallbacks", 0)
     if fallbacks:
         return _Outcome(error=f"error: jaxmem.optimize could not plan this step and ran it "
                               f"unplanned ({fallbacks} fallback(s); the log says why)")
     return _Outcome(report=report, step=step,
                     predicted_peak_bytes=getattr(plan, "predicted_peak_bytes", None),
-                    solve_time_s=getattr(plan, "solve_time_s", None), plan=plan)
+                    # every planner call of the verify loop, not the accepted plan's alone
+                    solve_time_s=getattr(info, "planning_s", getattr(plan, "solve_time_s", None)),
+                    plan=plan, elapsed_s=elapsed_s)
 
 
 def _plan_of(step: Any, args: tuple[Any, ...]) -> Any:
@@ -284,6 +294,7 @@ def _record(model: str, planner: str, kind: str, budget: Budget, budget_bytes: i
                              else None),
         "solve_time_s": outcome.solve_time_s,
         "min_feasible_bytes": outcome.min_feasible_bytes,
+        "elapsed_s": outcome.elapsed_s,
         **_plan_fields(outcome.plan),
     }
     fields = ("peak_memory_in_bytes", "host_bytes", "temp_bytes", "argument_bytes",

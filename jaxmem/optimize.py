@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -87,6 +88,8 @@ class CacheInfo:
       fallbacks: signatures run unplanned (unsupported constructs).
       disk_hits / disk_misses: plans loaded from / not found in the on-disk
         plan cache (``Config(plan_cache=...)``).
+      planning_s: wall time spent in planner calls (each bounded by
+        ``Config.time_limit_s``), not counting tracing and compiling.
     """
 
     entries: int
@@ -95,6 +98,7 @@ class CacheInfo:
     fallbacks: int
     disk_hits: int = 0
     disk_misses: int = 0
+    planning_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -148,7 +152,7 @@ def device_bytes(compiled: jax.stages.Compiled) -> tuple[int, int]:
 
 def compile_plan(graph: Any, plan: plan_lib.Plan, target: targets_lib.Target,
                  abstract_args: Sequence[Any], donate_argnums: tuple[int, ...],
-                 counters: dict[str, int]) -> tuple[Any, jax.stages.Compiled, int, int]:
+                 counters: dict[str, float]) -> tuple[Any, jax.stages.Compiled, int, int]:
     """Emit ``plan`` and compile it for ``target``: the jitted step, its compiled form and
     its device and host bytes; counts the compile in ``counters``."""
     jitted = jax.jit(emit_lib.emit(graph, plan), donate_argnums=donate_argnums)
@@ -159,7 +163,7 @@ def compile_plan(graph: Any, plan: plan_lib.Plan, target: targets_lib.Target,
 
 
 def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args: Sequence[Any],
-           donate_argnums: tuple[int, ...], counters: dict[str, int] | None = None,
+           donate_argnums: tuple[int, ...], counters: dict[str, float] | None = None,
            plain_first: bool = False, cost_model: Any = None, cost_notes: Sequence[str] = (),
            costs: Callable[[], tuple[Any, Sequence[str]]] | None = None
            ) -> tuple[plan_lib.Plan, Any, jax.stages.Compiled, tuple[Round, ...]]:
@@ -172,7 +176,8 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
       abstract_args: the step's dynamic arguments as ``ShapeDtypeStruct``s
         placed on the target.
       donate_argnums: donated positions among them.
-      counters: optional ``{"plans": n, "compiles": n}`` to increment.
+      counters: optional ``{"plans": n, "compiles": n, "planning_s": s}`` to add to
+        (planner calls, compiles, and the wall time of the planner calls).
       plain_first: compile the step as written first and keep it if it fits
         (used when the blocks' decision table was already verified by compiling).
       cost_model: the planners' :class:`~jaxmem.costmodel.CostModel`, with
@@ -232,9 +237,11 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         compile_plain("the step as written, with its blocks' verified decision table")
     for _ in range(config.verify_rounds if not rounds or rounds[0].compiled_bytes > budget
                    else 0):
+        began = time.perf_counter()
         plan = planner(graph, internal, planning_costs()[0],
                        {**options, "verify_budget_bytes": budget if internal < budget else None})
         counters["plans"] = counters.get("plans", 0) + 1
+        counters["planning_s"] = counters.get("planning_s", 0.0) + time.perf_counter() - began
         decisions = plan.decisions()
         if decisions in seen:
             # Same decisions at a tighter budget: the planner's own estimate still says they fit.
@@ -498,7 +505,8 @@ class Optimized:
         self._entries: dict[Any, _Entry] = {}
         self._plans: dict[Any, plan_lib.Plan] = {}
         self._costs: dict[Any, tuple[Any, tuple[str, ...]]] = {}
-        self._counters: dict[str, int] = {"plans": 0, "compiles": 0, "fallbacks": 0}
+        self._counters: dict[str, float] = {"plans": 0, "compiles": 0, "fallbacks": 0,
+                                            "planning_s": 0.0}
         self._disk: dict[Any, cache_lib.PlanCache] = {}
 
     def __repr__(self) -> str:
@@ -558,10 +566,12 @@ class Optimized:
             if plan is None:
                 cost_model, cost_notes = self._planning_costs((key, True), graph, target,
                                                               config, dyn)
+                began = time.perf_counter()
                 plan = planners.get(config.planner).fn(
                     graph, config.budget_bytes(target), cost_model, config.planner_options())
                 plan = plan.replace(notes=(*cost_notes, *plan.notes))
                 self._counters["plans"] += 1
+                self._counters["planning_s"] += time.perf_counter() - began
             self._plans[key] = plan.replace(graph=graph)
         return self._plans[key]
 
@@ -580,12 +590,14 @@ class Optimized:
         return measure(self, *args, target=target)
 
     def cache_info(self) -> CacheInfo:
-        """Signatures planned so far, planner calls, verify compiles and fallbacks."""
-        return CacheInfo(entries=len(self._entries), plans=self._counters["plans"],
-                         compiles=self._counters["compiles"],
-                         fallbacks=self._counters["fallbacks"],
+        """Signatures planned so far, planner calls and their time, verify compiles and
+        fallbacks."""
+        return CacheInfo(entries=len(self._entries), plans=int(self._counters["plans"]),
+                         compiles=int(self._counters["compiles"]),
+                         fallbacks=int(self._counters["fallbacks"]),
                          disk_hits=sum(d.hits for d in self._disk.values()),
-                         disk_misses=sum(d.misses for d in self._disk.values()))
+                         disk_misses=sum(d.misses for d in self._disk.values()),
+                         planning_s=float(self._counters["planning_s"]))
 
     def block_plan(self, *args: Any, **kwargs: Any) -> Any:
         """The decision table chosen for the step's ``jaxmem.remat`` blocks, as a

@@ -81,7 +81,8 @@ class Point:
         outputs - aliased); for ``infeasible`` the best any round reached.
       host_bytes: pinned-host bytes of the compiled step.
       est_step_time_s: the roofline estimate of :func:`jaxmem.measure`.
-      solve_time_s: planner time summed over the verify rounds.
+      solve_time_s: wall time of the planner calls of the verify loop, summed (the
+        alternatives a planner hands the loop to compile add no time of their own).
       elapsed_s: wall time of planning, emitting and compiling this point.
       rounds: plan-compile rounds the verify loop ran (0 when unknown).
       plan: the accepted plan (``None`` for infeasible, fallback and error points).
@@ -365,17 +366,19 @@ class _Sweep:
                          host_bytes=rep.host_bytes, est_step_time_s=rep.est_step_time_s,
                          solve_time_s=None, elapsed_s=time.perf_counter() - start, rounds=0,
                          plan=None, report=rep, step=jitted, **common)
+        counters: dict[str, float] = {}
         try:
             cost_model, cost_notes = self.cost_model(config.op_times)
             plan, jitted, compiled, rounds = verify(
                 self.graph, config, self.target, self.abstract, self.rebuild.donated,
-                cost_model=cost_model, cost_notes=cost_notes)
+                counters, cost_model=cost_model, cost_notes=cost_notes)
             rep = report(compiled, self.target)
         except InfeasibleBudgetError as err:
             logger.info("pareto: planner %s infeasible at %.3f MiB (best compiled %s)",
                         config.planner, budget_bytes / _MiB, err.best_compiled_bytes)
             return Point(status="infeasible", compiled_bytes=err.best_compiled_bytes,
-                         host_bytes=None, est_step_time_s=None, solve_time_s=None,
+                         host_bytes=None, est_step_time_s=None,
+                         solve_time_s=counters.get("planning_s"),
                          elapsed_s=time.perf_counter() - start, rounds=0, plan=None,
                          min_feasible_bytes=err.min_feasible_bytes, **common)
         except Exception as err:
@@ -391,7 +394,7 @@ class _Sweep:
         status = "ok" if rep.device_bytes <= budget_bytes else "over_budget"
         point = Point(status=status, compiled_bytes=rep.device_bytes, host_bytes=rep.host_bytes,
                       est_step_time_s=rep.est_step_time_s,
-                      solve_time_s=sum(r.plan.solve_time_s for r in rounds),
+                      solve_time_s=counters.get("planning_s", 0.0),
                       elapsed_s=time.perf_counter() - start, rounds=len(rounds), plan=plan,
                       report=rep, step=jitted, **common)
         logger.info("pareto: %s at %.3f MiB: %s, %.3f MiB device, est. %.4g s", config.planner,

@@ -427,6 +427,7 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
     if result is not None and result.time_bound is not None and result.time:
         lower = result.time_bound * c.tick_s
         gap = max(0.0, (result.time - result.time_bound) / result.time)
+    solver_bound = (lower, gap)  # the kept plan's, below, unless it is a heuristic's
     if fits:
         # times equal up to float rounding (sums in another order) tie: lower peak, then solver
         fastest = min(s.time_s for s in fits) * (1 + _TIME_RTOL)
@@ -466,7 +467,10 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
     loose = _loose([s for s in ([solver] if solver else []) + heur
                     if s.plan.decisions() != best.plan.decisions()],
                    budget_bytes, verify_budget_bytes, not fits, best.time_s)
-    alternatives = _alternatives(best, fits, budget_bytes, started, notes, loose)
+    solver_own = None if solver is None or result is None else (
+        solver, *solver_bound, f"solver status {result.status}; lower bound and gap are on the "
+                            f"model's step time")
+    alternatives = _alternatives(best, fits, budget_bytes, started, notes, loose, solver_own)
     if alternatives:
         notes.append("alternatives for the verify loop to compile: " + ", ".join(
             a.notes[-1].removeprefix("alternative: ") for a in alternatives))
@@ -534,22 +538,28 @@ def _loose(pool: list[_Scored], budget_bytes: int, given: int | None,
 
 
 def _alternatives(best: _Scored, fits: list[_Scored], budget_bytes: int, started: float,
-                  notes: list[str], loose: list[tuple[_Scored, str]] = ()
+                  notes: list[str], loose: list[tuple[_Scored, str]] = (),
+                  solver: tuple[_Scored, float | None, float | None, str] | None = None
                   ) -> tuple[plan_lib.Plan, ...]:
     """Other fitting candidates close to ``best`` in estimated time, fastest first; then
-    ``loose`` (see :func:`_loose`)."""
+    ``loose`` (see :func:`_loose`). ``solver``: the solver's candidate with its lower
+    bound, gap and status note; as an alternative it keeps them (status ``"ok"``), where
+    a heuristic's plan is a ``"fallback"``."""
     seen = {best.plan.decisions()}
     out = []
 
     def add(s: _Scored, why: str) -> None:
         seen.add(s.plan.decisions())
+        own = solver is not None and s is solver[0]
+        status, lower, gap, mine = (("ok", *solver[1:]) if own else
+                                    (f"fallback: {s.name} plan (an alternative)", None, None, ""))
         out.append(s.plan.replace(
             planner=NAME, budget_bytes=budget_bytes, predicted_peak_bytes=s.peak_bytes,
-            predicted_time_s=s.time_s, status=f"fallback: {s.name} plan (an alternative)",
-            solve_time_s=time.perf_counter() - started, lower_bound=None, gap=None,
-            bound_unit="s", notes=(*notes, f"alternative: {s.name} (simulated peak "
-                                              f"{s.peak_bytes:,} B, estimated {s.time_s:.4g} s"
-                                              f"{why})")))
+            predicted_time_s=s.time_s, status=status,
+            solve_time_s=time.perf_counter() - started, lower_bound=lower, gap=gap,
+            bound_unit="s", notes=(*notes, *([mine] if mine else []),
+                                   f"alternative: {s.name} (simulated peak {s.peak_bytes:,} B, "
+                                   f"estimated {s.time_s:.4g} s{why})")))
 
     for s in sorted(fits, key=lambda s: (s.time_s, s.peak_bytes)):
         if len(out) == _ALTERNATIVES:

@@ -573,3 +573,25 @@ def test_loose_candidates_are_chosen_by_the_rule_the_docstring_gives():
     e = cand("e", 105, 0.1, offload=True)                              # offloads: never a gamble
     assert loose([e, c], 80, 100, nothing_fits=True) == [c]
     assert loose([e], 80, 100, nothing_fits=False) == []
+
+
+def test_the_solvers_plan_handed_over_as_an_alternative_keeps_its_status_and_bound():
+    """When a heuristic's plan ranks first, the solver's close plan still goes to the verify
+    loop; if the compile keeps it, it is the solver's plan (status ok, with its bound and
+    gap), not a fallback."""
+    from jaxmem.planners.cpsat import _alternatives, _Scored
+
+    def cand(name, peak, t):
+        plan = plan_lib.Plan(order=(), remat={len(name): 1}, offload={}, placement={},
+                             planner=name, budget_bytes=0, predicted_peak_bytes=peak,
+                             predicted_time_s=t)
+        return _Scored(name=name, plan=plan, peak_bytes=peak, time_s=t)
+
+    best, solver, other = cand("greedy", 90, 1.0), cand("cpsat", 80, 1.004), cand("chen", 70, 1.006)
+    note = "solver status FEASIBLE; lower bound and gap are on the model's step time"
+    mine, theirs = _alternatives(best, [best, solver, other], 100, 0.0, [], (),
+                                 (solver, 0.9, 0.1, note))
+    assert (mine.status, mine.lower_bound, mine.gap) == ("ok", 0.9, 0.1)
+    assert note in mine.notes and mine.notes[-1].startswith("alternative: cpsat")
+    assert theirs.status == "fallback: chen plan (an alternative)"
+    assert theirs.lower_bound is None and theirs.gap is None and note not in theirs.notes

@@ -85,7 +85,7 @@ def test_level_0_is_plain_jit(monkeypatch):
     step = jaxmem.optimize(jax.grad(_loss), config=jaxmem.Config(budget=4096, target="cpu"))
     assert _same(step(params, x), jax.jit(jax.grad(_loss))(params, x))  # 4 KiB would not fit
     info = step.cache_info()
-    assert (info.plans, info.compiles) == (0, 0)
+    assert (info.plans, info.compiles, info.planning_s) == (0, 0, 0.0)
     with pytest.raises(RuntimeError, match="JAXMEM_LEVEL=0"):
         step.plan(params, x)
 
@@ -134,12 +134,13 @@ def test_a_warm_cache_skips_the_planner(tmp_path, monkeypatch, caplog):
     cold = _cached_step(tmp_path)
     expected = cold(params, x)
     assert cold.cache_info().plans >= 1 and cold.cache_info().disk_misses == 1
+    assert cold.cache_info().planning_s > 0
     assert len(list(tmp_path.glob("*.json"))) == 1
     warm = _cached_step(tmp_path)
     with caplog.at_level(logging.INFO, logger="jaxmem.cache"):
         assert _same(warm(params, x), expected)
     info = warm.cache_info()
-    assert (info.plans, info.disk_hits, info.compiles) == (0, 1, 1)
+    assert (info.plans, info.disk_hits, info.compiles, info.planning_s) == (0, 1, 1, 0.0)
     assert "plan cache: loaded" in caplog.text
     assert warm.plan(params, x) == cold.plan(params, x)
 
