@@ -136,8 +136,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-time", action="store_true",
                    help="also run tiny and small steps on the CPU: median time ratio to 'none' and "
                         "bitwise equality of the outputs with 'none'")
-    p.add_argument("--time-limit-s", type=float, default=20.0,
-                   help="solver time limit per plan, passed to jaxmem.Config (default: 20)")
+    p.add_argument("--time-limit-s", type=float, default=60.0,
+                   help="planner time limit per plan, all verify rounds together, passed to "
+                        "jaxmem.Config (default: 60, as jaxmem.Config's)")
     p.add_argument("--repeats", type=int, default=5,
                    help="timed runs per step with --cpu-time, after one warm-up (default: 5)")
     p.add_argument("--append", action="store_true",

@@ -93,7 +93,10 @@ class Config:
         ``cpsat`` through them) recompute those
         values on 16-bit steps too, for a lower peak, with gradients within a
         few ulps of the plain step's, as under ``jax.checkpoint``.
-      time_limit_s: wall time a planner may spend per planning round.
+      time_limit_s: wall time the planner may spend on a step, all verify
+        rounds together: the first round gets half of it, each later round
+        half of the one before, and the last as much as the one before it
+        (:meth:`round_time_limit_s`). Tracing and compiling are not counted.
       seed: for planners with randomness.
       on_over_budget: ``"raise"`` an ``InfeasibleBudgetError`` when no plan
         compiles within budget, or ``"warn"`` and run the best plan found.
@@ -187,13 +190,27 @@ class Config:
     def host_budget_bytes(self) -> int:
         return parse_bytes(self.host_budget, "host_budget")
 
-    def planner_options(self) -> dict[str, Any]:
-        """The options every planner receives."""
+    def round_time_limit_s(self, round_index: int) -> float:
+        """The planner's time limit in verify round ``round_index`` (from 0).
+
+        The shares sum to ``time_limit_s`` over ``verify_rounds`` rounds and are fixed
+        in advance, not read off the clock, so that a re-plan repeats exactly.
+
+        >>> [Config(time_limit_s=60).round_time_limit_s(i) for i in range(4)]
+        [30.0, 15.0, 7.5, 7.5]
+        """
+        last = self.verify_rounds - 1
+        if last == 0:
+            return float(self.time_limit_s)
+        return self.time_limit_s / 2 ** (min(round_index, last - 1) + 1)
+
+    def planner_options(self, round_index: int = 0) -> dict[str, Any]:
+        """The options every planner receives (in verify round ``round_index``)."""
         return {"allow_remat": self.allow_remat, "allow_offload": self.allow_offload,
                 "allow_reorder": self.allow_reorder,
                 "allow_state_offload": self.allow_state_offload, "bitwise": self.bitwise,
-                "host_budget_bytes": self.host_budget_bytes, "time_limit_s": self.time_limit_s,
-                "seed": self.seed}
+                "host_budget_bytes": self.host_budget_bytes,
+                "time_limit_s": self.round_time_limit_s(round_index), "seed": self.seed}
 
 
 def _check_planner(name: str) -> None:

@@ -235,11 +235,12 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
 
     if plain_first:
         compile_plain("the step as written, with its blocks' verified decision table")
-    for _ in range(config.verify_rounds if not rounds or rounds[0].compiled_bytes > budget
-                   else 0):
+    for index in range(config.verify_rounds if not rounds or rounds[0].compiled_bytes > budget
+                       else 0):
         began = time.perf_counter()
         plan = planner(graph, internal, planning_costs()[0],
-                       {**options, "verify_budget_bytes": budget if internal < budget else None})
+                       {**options, "time_limit_s": config.round_time_limit_s(index),
+                        "verify_budget_bytes": budget if internal < budget else None})
         counters["plans"] = counters.get("plans", 0) + 1
         counters["planning_s"] = counters.get("planning_s", 0.0) + time.perf_counter() - began
         decisions = plan.decisions()

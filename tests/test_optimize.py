@@ -315,6 +315,33 @@ def _remat_all_or_nothing(g, budget, cost_model, name):
         planner=name, budget_bytes=budget, alternatives=(nothing,))
 
 
+def test_time_limit_s_bounds_the_planning_of_all_rounds_together(monkeypatch):
+    """Each round's planner call gets its share of ``time_limit_s`` (half, a quarter, ...
+    the last as much as the one before), so the loop plans for ``time_limit_s`` at most."""
+    from jaxmem import plan as plan_lib
+
+    limits = []
+
+    def never_fits(g, budget, cost_model, options):
+        limits.append(options["time_limit_s"])
+        plan = plan_lib.unplanned(g, planner="never_fits", budget_bytes=budget)
+        return plan.replace(predicted_peak_bytes=plan_lib.simulate_plan(g, plan).peak_bytes)
+
+    _use_planner(monkeypatch, "never_fits", never_fits)
+    params, x = _mlp_args()
+    real = _charge(monkeypatch, lambda n, dev: dev)
+    budget = _plain_cpu_bytes(real, params, x) - 1024  # the plain step, its one plan, is over
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+        budget=budget, target="cpu", planner="never_fits", time_limit_s=8.0, verify_rounds=4))
+    with pytest.raises(InfeasibleBudgetError):
+        step.verified(params, x)
+    assert limits == [4.0, 2.0, 1.0, 1.0] and sum(limits) == 8.0
+    assert step.cache_info().plans == 4 and step.cache_info().planning_s > 0
+    limits.clear()
+    step.plan(params, x)  # .plan() is the first round's plan
+    assert limits == [4.0]
+
+
 def test_alternatives_are_compiled_and_the_fastest_fitting_plan_is_kept(monkeypatch):
     """A planner's ``Plan.alternatives`` are compiled too; the compiled roofline picks.
 
