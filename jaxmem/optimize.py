@@ -13,7 +13,9 @@ static values, as ``jax.jit`` caches) the step is traced, analysed and
 planned, the plan is emitted and compiled for the target, and the compiled
 device bytes (temp + arguments + outputs - aliased) are checked against the
 budget. Over budget, the planner's budget is tightened by the observed
-prediction error and the step re-planned, for a bounded number of rounds;
+prediction error and the step re-planned, for a bounded number of rounds
+(``Config.verify_rounds``) that share one planning time limit
+(``Config.time_limit_s``: half for the first round, half of that for the next);
 when nothing fits, :class:`~jaxmem.errors.InfeasibleBudgetError` names the
 budget, the best compiled footprint and the smallest budget the planner is known to fit.
 Steps using constructs jaxmem refuses run unplanned (plain ``jax.jit``) with
