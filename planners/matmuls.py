@@ -52,7 +52,7 @@ from jaxmem.costmodel import CostModel
 from jaxmem.graph import MemGraph
 from jaxmem.planners._registry import register
 from jaxmem.planners.sublinear import (check_options, find_residuals, finish, fused_segments,
-                                       reissuable, remat_points)
+                                       out_of_time, reissuable, remat_points)
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +106,14 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     the group that reaches the budget only the fewest that fit are recomputed
     (a binary search). About one simulation per role, so a few dozen on a
     deep model. ``"over_budget"`` when nothing more helps.
-    Options: ``bitwise``, as for ``keep_matmuls``.
+    Options: ``bitwise``, as for ``keep_matmuls``; ``time_limit_s`` (default
+    none: the search stops when it is spent, with the best plan so far, and
+    says so in the notes).
     """
-    opts = check_options(FIT, options, {"bitwise": True}, does=("remat",))
+    opts = check_options(FIT, options, {"bitwise": True, "time_limit_s": None}, does=("remat",))
     started = time.perf_counter()
+    deadline = None if opts["time_limit_s"] is None else started + float(opts["time_limit_s"])
+    stopped: list[str] = []
     res = find_residuals(graph, fused=fused_segments(graph, opts["bitwise"]))
     closures = _closures(graph, res)
     cheap = _cheap(graph, closures, batched=True)
@@ -143,8 +147,9 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     dropped: list[int] = []
     best = plan_dropping(dropped)
     skipped = 0
-    for group in groups.values():
-        if best.status == "ok":
+    for i, group in enumerate(groups.values()):
+        if best.status == "ok" or out_of_time(
+                deadline, stopped, f"the search stopped after {i} of {len(groups)} groups"):
             break
         trial = plan_dropping(dropped + group)
         if trial.predicted_peak_bytes >= best.predicted_peak_bytes:
@@ -154,18 +159,19 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
             # The fewest of this group that fit (the peak falls as more are dropped;
             # none of it is ``best``, which does not fit).
             lo, hi = 1, len(group)
-            while lo < hi:
+            while lo < hi and not out_of_time(deadline, stopped,
+                                                "the binary search over a group stopped"):
                 mid = (lo + hi) // 2
                 fits = plan_dropping(dropped + group[:mid])
                 if fits.status == "ok":
                     hi, trial = mid, fits
                 else:
                     lo = mid + 1
-            dropped += group[:lo]
+            dropped += group[:hi]  # trial's: fits (lo == hi unless the clock stopped it)
         else:
             dropped += group
         best = trial
-    notes = list(best.notes)
+    notes = list(best.notes) + stopped
     if skipped:
         notes.append(f"{skipped} residuals left kept: recomputing them raised the simulated peak")
     if best.status != "ok":

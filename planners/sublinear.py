@@ -103,6 +103,16 @@ def check_options(planner: str, options: Mapping[str, Any] | None,
     return {**defaults, **options}
 
 
+def out_of_time(deadline: float | None, notes: list[str], what: str) -> bool:
+    """Whether ``deadline`` has passed; if so, say ``what`` in ``notes`` and the log (a
+    search cut short by the clock may not repeat exactly)."""
+    if deadline is None or time.perf_counter() <= deadline:
+        return False
+    notes.append(f"time limit reached: {what}; this plan may not repeat exactly")
+    logger.info("time limit reached: %s", what)
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class Residuals:
     """The forward buffers a backward pass reads, for one order of ops.
@@ -475,7 +485,7 @@ def _segment_plan(graph: MemGraph, res: Residuals, keep: frozenset[int]
 
 
 _SUBLINEAR_DEFAULTS = {"rounds": 8, "factor": 2.0, "small_fraction": 0.01, "short_lifetime": 2,
-                       "refine": 12, "bitwise": True}
+                       "refine": 12, "bitwise": True, "time_limit_s": None}
 
 
 def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
@@ -493,7 +503,9 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     (default ``True``: segments recompute the values XLA fuses into
     summations only where that keeps the plain step's bits,
     :func:`fused_segments_are_exact`; ``False``: always, see
-    :func:`find_residuals`).
+    :func:`find_residuals`), ``time_limit_s`` (default none: the search and the
+    refinement stop when it is spent, with the best plan so far, and say so in
+    the notes; each round is one simulation, about a second on a ResNet-50).
 
     >>> # see the module docstring for a graph; options are checked:
     >>> sublinear(None, 0, None, {"round": 3})  # doctest: +ELLIPSIS
@@ -505,6 +517,8 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
         raise ValueError(f"sublinear needs rounds >= 1, factor > 1 and refine >= 0; got rounds="
                          f"{opts['rounds']}, factor={opts['factor']}, refine={opts['refine']}")
     started = time.perf_counter()
+    deadline = (None if opts["time_limit_s"] is None
+                else started + float(opts["time_limit_s"]))
     res = find_residuals(graph, fused=fused_segments(graph, opts["bitwise"]))
     prof = profile(graph, res, cost_model, small_fraction=opts["small_fraction"],
                    short_lifetime=opts["short_lifetime"])
@@ -535,6 +549,8 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     for r in range(1, opts["rounds"] + 1):
         if best_rank[0] == 0 and not best.remat:
             break  # the step fits without recomputing anything
+        if out_of_time(deadline, rounds, f"the search stopped before round {r}"):
+            break
         keep = checkpoints_for_threshold(graph, res, prof, threshold)
         remat = _segment_plan(graph, res, keep)
         p, sim = score(remat)
@@ -555,7 +571,7 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
         threshold *= math.exp(direction * log_step)
     if best_rank[0] == 0 and best.remat and opts["refine"]:
         best = _refine(graph, res, prof, best, best_keep, opts["refine"], budget_bytes, score,
-                       rounds)
+                       rounds, deadline)
     logger.info("sublinear: %d rounds, best plan recomputes %d tensors", len(rounds) - 1,
                 len(best.remat))
     return finish(graph, budget_bytes, cost_model, planner="sublinear", started=started,
@@ -565,16 +581,19 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
 def _refine(graph: MemGraph, res: Residuals, prof: Profile, best: plan_lib.Plan,
             keep: frozenset[int], tries: int, budget_bytes: int,
             score: Callable[[dict[int, tuple[int, ...]]], tuple[plan_lib.Plan, Any]],
-            notes: list[str]) -> plan_lib.Plan:
+            notes: list[str], deadline: float | None = None) -> plan_lib.Plan:
     """Keep the costliest recomputed residuals one by one while the plan still fits.
 
     A kept residual is one re-issue fewer, so a plan that still fits is no
-    slower; only the fit is simulated per try.
+    slower; only the fit is simulated per try. Stops at ``deadline``
+    (a ``time.perf_counter()`` value).
     """
     costly = sorted((t for t in best.remat if t in prof.recompute_s),
                     key=lambda t: -prof.recompute_s[t])[:tries]
     kept = 0
-    for t in costly:
+    for i, t in enumerate(costly):
+        if out_of_time(deadline, notes, f"the refinement stopped after {i} tries"):
+            break
         p, sim = score(_segment_plan(graph, res, keep | {t}))
         if sim.allocator_peak_bytes <= budget_bytes:
             best, keep, kept = p, keep | {t}, kept + 1

@@ -595,3 +595,18 @@ def test_the_solvers_plan_handed_over_as_an_alternative_keeps_its_status_and_bou
     assert note in mine.notes and mine.notes[-1].startswith("alternative: cpsat")
     assert theirs.status == "fallback: chen plan (an alternative)"
     assert theirs.lower_bound is None and theirs.gap is None and note not in theirs.notes
+
+
+def test_the_heuristics_share_the_time_limit_and_those_not_reached_are_named():
+    loss, ws, x = tiny_mlp(4)
+    g = build_graph(jax.grad(loss), ws, x)
+    budget = unplanned_peak(g) * 8 // 10
+    # heuristics get 40% of 0.01 s: the first runs, the rest are skipped
+    plan = plan_cpsat(g, budget, H100, {"time_limit_s": 0.01})
+    ran = [n for n in plan.notes if n.startswith("heuristic '")]
+    [skipped] = [n for n in plan.notes if n.startswith("heuristics skipped")]
+    assert ran and ran[0].startswith("heuristic 'chen'")
+    assert "'sublinear'" in skipped and "may not repeat exactly" in skipped
+    roomy = plan_cpsat(g, budget, H100, FAST)
+    assert not any(n.startswith("heuristics skipped") for n in roomy.notes)
+    assert len([n for n in roomy.notes if n.startswith("heuristic '")]) == 9

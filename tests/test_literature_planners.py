@@ -137,6 +137,17 @@ def test_sublinear_refines_by_keeping_costly_recomputations_that_fit(mlp_graph):
     assert refined.predicted_time_s <= plain.predicted_time_s
 
 
+def test_sublinear_stops_at_its_time_limit_with_the_best_plan_so_far(mlp_graph):
+    budget = int(0.85 * _peak(mlp_graph))
+    stopped = _run("sublinear", mlp_graph, budget, time_limit_s=0.0)
+    assert any(n.startswith("time limit reached: the search stopped before round 1")
+               for n in stopped.notes)
+    assert not stopped.remat and stopped.status == "over_budget"  # round 0's plan
+    unlimited = _run("sublinear", mlp_graph, budget, time_limit_s=None)
+    assert not any(n.startswith("time limit reached") for n in unlimited.notes)
+    assert unlimited.status == "ok"
+
+
 def test_chen_uses_sqrt_n_segments(mlp_graph):
     res = sublinear.find_residuals(mlp_graph)
     prof = sublinear.profile(mlp_graph, res, COST)

@@ -145,6 +145,20 @@ def test_fit_variant_recomputes_more_matmul_outputs_as_the_budget_falls():
     assert fit(g, 1024, COST, {}).status == "over_budget"
 
 
+def test_fit_variant_stops_at_its_time_limit_with_a_plan_that_is_no_worse():
+    g = _graph()
+    all_kept = registry.get("keep_matmuls").fn(g, 10**12, COST, {})
+    budget = int(0.8 * all_kept.predicted_peak_bytes)
+    fit = registry.get("keep_matmuls_fit").fn
+    stopped = fit(g, budget, COST, {"time_limit_s": 0.0})
+    assert any(n.startswith("time limit reached: the search stopped after 0 of")
+               for n in stopped.notes)
+    assert stopped.remat == all_kept.remat  # the starting plan: no group was tried
+    searched = fit(g, budget, COST, {"time_limit_s": 60.0})
+    assert not any(n.startswith("time limit reached") for n in searched.notes)
+    assert searched.predicted_peak_bytes < stopped.predicted_peak_bytes
+
+
 @pytest.mark.parametrize("model,name", [("mlp", "keep_matmuls"), ("gpt2", "keep_matmuls"),
                                         ("gpt2", "keep_matmuls_no_batch"),
                                         ("gpt2", "keep_matmuls_fit"),
