@@ -284,7 +284,7 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--target", default="h100", choices=("h100", "h200", "cpu", "auto"))
         q.add_argument("--time-limit", type=float, default=60.0,
                        help="planner seconds for the whole verify loop: half in the first "
-                            "round, half of that in the next, ... (default 60)")
+                            "round, the rest shared by its re-plans (default 60)")
         q.add_argument("--on-over-budget", choices=("raise", "warn"), default="raise",
                        help="when no plan fits: exit 3 (raise, the default) or report the best "
                             "plan found with status over_budget (warn)")

@@ -94,8 +94,8 @@ class Config:
         values on 16-bit steps too, for a lower peak, with gradients within a
         few ulps of the plain step's, as under ``jax.checkpoint``.
       time_limit_s: wall time the planner may spend on a step, all verify
-        rounds together: the first round gets half of it, each later round
-        half of the one before, and the last as much as the one before it
+        rounds together: the first round gets half of it and the later rounds
+        (re-plans after a compile over the budget) share the other half
         (:meth:`round_time_limit_s`). Tracing and compiling are not counted.
       seed: for planners with randomness.
       on_over_budget: ``"raise"`` an ``InfeasibleBudgetError`` when no plan
@@ -197,12 +197,12 @@ class Config:
         in advance, not read off the clock, so that a re-plan repeats exactly.
 
         >>> [Config(time_limit_s=60).round_time_limit_s(i) for i in range(4)]
-        [30.0, 15.0, 7.5, 7.5]
+        [30.0, 10.0, 10.0, 10.0]
         """
-        last = self.verify_rounds - 1
-        if last == 0:
+        if self.verify_rounds == 1:
             return float(self.time_limit_s)
-        return self.time_limit_s / 2 ** (min(round_index, last - 1) + 1)
+        half = self.time_limit_s / 2
+        return half if round_index == 0 else half / (self.verify_rounds - 1)
 
     def planner_options(self, round_index: int = 0) -> dict[str, Any]:
         """The options every planner receives (in verify round ``round_index``)."""

@@ -36,9 +36,11 @@ _ENTRIES: dict[str, Entry] = {}
 # compiled plan missed (the simulator's error differs from plan to plan).
 # ``bitwise``: ``False`` lets planners trade the plain step's bits for memory (gradients
 # within a few ulps, as under ``jax.checkpoint``; see ``Config.bitwise``).
+# ``memo``: a dict the verify loop keeps through its rounds (one graph, one cost model);
+# a planner may keep there what does not depend on the budget, for its re-plans.
 COMMON_OPTIONS = frozenset({"allow_remat", "allow_offload", "allow_reorder", "allow_state_offload",
                             "host_budget_bytes", "time_limit_s", "seed", "verify_budget_bytes",
-                            "bitwise"})
+                            "bitwise", "memo"})
 # Planners that obey every allow_* option (others refuse an allow_<kind>=False for a
 # kind of decision they always make).
 HONOURS_ALLOW = frozenset({"greedy", "cpsat"})

@@ -28,13 +28,14 @@ How it runs, within ``time_limit_s``:
    ``keep_matmuls_fit`` and ``sublinear``) are mapped onto the coarse problem and
    repaired greedily (:mod:`._cpsat_hint`) until they fit the model's memory, in the
    simulator's ranking; the best in the model's terms becomes the solver's hint. The
-   heuristics run in turn within 40% of ``time_limit_s``, each search given what is
+   heuristics run in turn within half of ``time_limit_s``, each search given what is
    left of it (one that is not reached in time is skipped, and the notes say so);
-   repairs stop after another 20% (on a 7,000-op step they took minutes).
+   repairs stop after another 15% (on a 7,000-op step they took minutes). The plans
+   that do not depend on the budget are kept in ``memo`` for the verify loop's re-plans.
 2. **Fixed order.** The order of the warm start is kept and CP-SAT decides
    remat and offload (fast; often proven optimal for that order).
 3. **Joint.** With ``allow_reorder``, the full model is solved, hinted with the
-   step-2 solution, for the rest of the time. Steps 2 and 3 get at least 30% of
+   step-2 solution, for the rest of the time. Steps 2 and 3 get at least 25% of
    ``time_limit_s`` even when the heuristics used more than the rest (the notes
    give each heuristic's seconds). A plan therefore takes about ``time_limit_s``;
    a heuristic's last simulation, the scoring of the candidates and a slow
@@ -89,7 +90,8 @@ registered planners, run in this order, whose plans warm-start the solver and co
 with its plan, ``"blocks:<save>"`` being ``blocks`` with that ``save`` option;
 ``order_dfs`` / ``order_bfs`` may be added, at a cost of seconds to minutes on large graphs),
 ``verify_budget_bytes`` (None; set by the verify loop, see above),
-``allow_state_offload`` (False; step 5), ``bitwise`` (True; passed to the remat heuristics).
+``allow_state_offload`` (False; step 5), ``bitwise`` (True; passed to the remat heuristics),
+``memo`` (None; the verify loop's dict for its rounds, see step 1).
 
 >>> import jax, jax.numpy as jnp
 >>> from jaxmem.graph import build_graph
@@ -127,23 +129,25 @@ DEFAULTS: dict[str, Any] = {
     "allow_offload": True, "allow_reorder": True, "max_copies": 2, "max_nodes": 60,
     "reserve_bytes": 0, "host_budget_bytes": 64 << 30, "deterministic": True,
     "tie_blocks": False, "min_decision_bytes": None,
-    # one simulation each first, then the searches (greedy, keep_matmuls_fit, sublinear),
-    # which share what is left of the heuristics' time
+    # one simulation each first (their plans do not depend on the budget: a re-plan of
+    # the verify loop reuses them), then the searches, which share what is left
     "heuristics": ("chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks", "blocks:dots",
-                   "blocks:dots_no_batch", "greedy", "keep_matmuls_fit", "sublinear"),
-    "verify_budget_bytes": None, "bitwise": True, "allow_state_offload": False,
+                   "blocks:dots_no_batch", "keep_matmuls_fit", "greedy", "sublinear"),
+    "verify_budget_bytes": None, "bitwise": True, "allow_state_offload": False, "memo": None,
 }
 # Shares of the time limit: the heuristic planners together (run in turn, each search
 # given what is left; one not reached in time is skipped, and the notes say so), and
 # (of what is left) the fixed-order solve when the order may change afterwards.
-_HEURISTIC_SHARE = 0.4
+_HEURISTIC_SHARE = 0.5
+# Heuristic planners whose plan does not depend on the budget (it only sets the status).
+_FIXED_PLANS = frozenset({"chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks"})
 _FIXED_SHARE = 0.4
 _MIN_SOLVE_S = 1.0
 # Share of the time limit CP-SAT gets even when the heuristics used more than the rest.
-_SOLVE_SHARE = 0.3
+_SOLVE_SHARE = 0.25
 # Share of the time limit the warm start's repairs may take (they are what is slow on
 # a large step: thousands of evaluations of the coarse model).
-_HINT_SHARE = 0.2
+_HINT_SHARE = 0.15
 _TIME_RTOL = 1e-9
 # Fitting candidates within this share of the fastest estimate are handed to the verify
 # loop as Plan.alternatives (at most _ALTERNATIVES), to be ranked by compiled time.
@@ -269,6 +273,13 @@ def _heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: dict[str, 
         sub = _heuristic_options(name, opts, left)
         if sub is None:
             continue
+        key = (NAME, name, tuple(sorted(sub.items())))
+        if name.partition(":")[0] in _FIXED_PLANS and opts["memo"] is not None \
+                and key in opts["memo"]:
+            out.append(opts["memo"][key])
+            notes.append(f"heuristic {name!r}: the plan of an earlier round, "
+                         f"{out[-1].peak_bytes:,} B, {out[-1].time_s:.4g} s estimated")
+            continue
         try:
             entry = get(name.partition(":")[0])
         except ValueError:
@@ -284,6 +295,8 @@ def _heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: dict[str, 
                            name, type(err).__name__, err)
             continue
         out.append(_score(graph, name, plan, cost_model))
+        if name.partition(":")[0] in _FIXED_PLANS and opts["memo"] is not None:
+            opts["memo"][key] = out[-1]
         notes.append(f"heuristic {name!r}: {time.perf_counter() - began:.2f} s, "
                      f"{out[-1].peak_bytes:,} B, {out[-1].time_s:.4g} s estimated")
     if skipped:
