@@ -96,7 +96,9 @@ class Config:
       time_limit_s: wall time the planner may spend on a step, all verify
         rounds together: the first round gets half of it and the later rounds
         (re-plans after a compile over the budget) share the other half
-        (:meth:`round_time_limit_s`). Tracing and compiling are not counted.
+        (:meth:`round_time_limit_s`); a re-plan gets no more than what the
+        rounds before it left, and none starts with less than a second left.
+        Tracing and compiling are not counted.
       seed: for planners with randomness.
       on_over_budget: ``"raise"`` an ``InfeasibleBudgetError`` when no plan
         compiles within budget, or ``"warn"`` and run the best plan found.
@@ -194,7 +196,9 @@ class Config:
         """The planner's time limit in verify round ``round_index`` (from 0).
 
         The shares sum to ``time_limit_s`` over ``verify_rounds`` rounds and are fixed
-        in advance, not read off the clock, so that a re-plan repeats exactly.
+        in advance, not read off the clock, so that a re-plan repeats exactly (the
+        verify loop lowers a re-plan's share only when the rounds before it overran
+        theirs).
 
         >>> [Config(time_limit_s=60).round_time_limit_s(i) for i in range(4)]
         [30.0, 10.0, 10.0, 10.0]

@@ -58,6 +58,8 @@ _MiB = float(1 << 20)
 # A plan whose offloads compile this share over its simulated peak makes the verify
 # loop plan its later rounds without offloads (planners that honour allow_offload).
 _OFFLOAD_MISS = 0.25
+# A re-plan is not started with less than this much of Config.time_limit_s left.
+_MIN_REPLAN_S = 1.0
 
 _UNHASHABLE = (
     "static argument {where} of {name} is a {kind}, which is not hashable; jaxmem caches one "
@@ -220,6 +222,9 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
     overshoot = 0
     fitting_time_s: float | None = None  # estimate of the fastest alternative that fits
     memo: dict[Any, Any] = {}  # the planner's, through the rounds (planners.COMMON_OPTIONS)
+    planned_s = 0.0  # planner wall time in this loop, against config.time_limit_s
+    overrun_s = 0.0  # the most a planner call took over its limit
+    out_of_time: tuple[str, ...] = ()
 
     def compile_round(plan: plan_lib.Plan, planner_budget: int) -> tuple[int, int]:
         jitted, compiled, dev, host = compile_plan(graph, plan, target, abstract_args,
@@ -240,13 +245,28 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         compile_plain("the step as written, with its blocks' verified decision table")
     for index in range(config.verify_rounds if not rounds or rounds[0].compiled_bytes > budget
                        else 0):
+        # Each round has its fixed share; when earlier rounds overran theirs (a search
+        # ends a simulation late, CP-SAT's presolve runs on), a re-plan gets only what is
+        # left of the step's limit, less the largest overrun so far.
+        share = config.round_time_limit_s(index)
+        left = config.time_limit_s - planned_s - overrun_s
+        if index and left < _MIN_REPLAN_S:
+            out_of_time = (f"no re-plan after round {len(rounds)}: the planner had spent "
+                           f"{planned_s:.1f} s of time_limit_s={config.time_limit_s:g}",)
+            logger.info("verify: %s", out_of_time[0])
+            break
         began = time.perf_counter()
-        plan = planner(graph, internal, planning_costs()[0],
-                       {**options, "time_limit_s": config.round_time_limit_s(index),
+        planning_model = planning_costs()[0]  # made once (a profile run, maybe): not the limit's
+        costs_s = time.perf_counter() - began
+        plan = planner(graph, internal, planning_model,
+                       {**options, "time_limit_s": min(share, left),
                         "verify_budget_bytes": budget if internal < budget else None,
                         "memo": memo})
+        took = time.perf_counter() - began - costs_s
+        planned_s += took
+        overrun_s = max(overrun_s, took - min(share, left))
         counters["plans"] = counters.get("plans", 0) + 1
-        counters["planning_s"] = counters.get("planning_s", 0.0) + time.perf_counter() - began
+        counters["planning_s"] = counters.get("planning_s", 0.0) + costs_s + took
         decisions = plan.decisions()
         if decisions in seen:
             # Same decisions at a tighter budget: the planner's own estimate still says they fit.
@@ -322,6 +342,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
     fell_back = (() if chosen.plan.status in ("ok", "over_budget") else
                  (f"planner status: {chosen.plan.status}",))
     notes = (*fell_back, *(made[0][1] if made else ()), *chosen.plan.notes, *ranking,
+             *out_of_time,
              f"verified on {target.name}: {chosen.compiled_bytes / _MiB:,.1f} MiB device + "
              f"{chosen.host_bytes / _MiB:,.1f} MiB host compiled, round {best + 1} of "
              f"{len(rounds)}")
@@ -330,7 +351,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         return plan, built[best][0], built[best][1], tuple(rounds)
     tried = "; ".join(f"planner budget {r.planner_budget_bytes / _MiB:,.1f} MiB -> compiled "
                       f"{r.compiled_bytes / _MiB:,.1f} MiB" for r in rounds)
-    tried += _bitwise_hint(graph, config)
+    tried += "".join(f" ({why})" for why in out_of_time) + _bitwise_hint(graph, config)
     if config.on_over_budget == "warn":
         logger.warning("no plan fits the budget of %.1f MiB on %s; running the best plan "
                        "(%.1f MiB). Tried: %s", budget / _MiB, target.name,

@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 # Share of the time limit given as CP-SAT deterministic time (reproducible stop).
 _DET_SHARE = 0.5
+# The search's wall-clock limit when building the model took all of time_limit_s.
+_MIN_WALL_S = 0.1
 # Above this many nodes, presolve runs one light round.
 _LIGHT_PRESOLVE_NODES = 40
 
@@ -470,12 +472,13 @@ def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
     deterministic multi-worker mode, ``interleave_search``, aborts the whole
     process with "Check failed: heuristics.fixed_search != nullptr" on some of
     our models, e.g. the zoo's tiny mlp train step at half its peak; a
-    single-worker search is deterministic by itself) and the solve also stops after ``_DET_SHARE * time_limit_s`` of CP-SAT's
-    deterministic time (work units independent of machine load; about a
-    second each on an idle core): the same problem and seed give the same
-    schedule whenever the solve ends by itself or by that limit. When the wall
-    clock (``time_limit_s``) stops it first, as on a loaded machine, the
-    detail and a warning say that this solve may not repeat exactly.
+    single-worker search is deterministic by itself) and the solve also stops
+    after ``_DET_SHARE * time_limit_s`` of CP-SAT's deterministic time (work
+    units independent of machine load; about a second each on an idle core):
+    the same problem and seed give the same schedule whenever the solve ends by
+    itself or by that limit. When the wall clock (``time_limit_s`` from the
+    call, building the model included) stops it first, as on a loaded machine,
+    the detail and a warning say that this solve may not repeat exactly.
 
     With ``units`` (and the progress logger enabled for INFO), progress lines
     (:mod:`._cpsat_progress`) name the solve by ``label``, e.g. ``"order fixed"``.
@@ -489,7 +492,9 @@ def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
     prm.num_workers = 1 if deterministic else max(1, int(num_workers))
     prm.random_seed = int(seed)
     prm.log_search_progress = log
-    prm.max_time_in_seconds = float(time_limit_s)
+    # the wall clock counts the model's building; the deterministic limit does not
+    prm.max_time_in_seconds = max(float(time_limit_s) - (time.perf_counter() - started),
+                                  _MIN_WALL_S)
     if deterministic:
         prm.max_deterministic_time = _DET_SHARE * float(time_limit_s)
     if len(problem.nodes) > _LIGHT_PRESOLVE_NODES:

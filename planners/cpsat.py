@@ -24,8 +24,8 @@ How it runs, within ``time_limit_s``:
    is estimated faster.
 1. **Warm start.** Program order and the plans of the heuristic planners
    (by default ``chen``, ``keep_matmuls`` and ``keep_matmuls_no_batch``, ``blocks``
-   with each of its ``save`` choices, then the searches ``greedy``,
-   ``keep_matmuls_fit`` and ``sublinear``) are mapped onto the coarse problem and
+   with each of its ``save`` choices, then the searches ``keep_matmuls_fit``,
+   ``greedy`` and ``sublinear``) are mapped onto the coarse problem and
    repaired greedily (:mod:`._cpsat_hint`) until they fit the model's memory, in the
    simulator's ranking; the best in the model's terms becomes the solver's hint. The
    heuristics run in turn within half of ``time_limit_s``, each search given what is
@@ -35,13 +35,15 @@ How it runs, within ``time_limit_s``:
 2. **Fixed order.** The order of the warm start is kept and CP-SAT decides
    remat and offload (fast; often proven optimal for that order).
 3. **Joint.** With ``allow_reorder``, the full model is solved, hinted with the
-   step-2 solution, for the rest of the time. Steps 2 and 3 get at least 25% of
-   ``time_limit_s`` even when the heuristics used more than the rest (the notes
-   give each heuristic's seconds). A plan therefore takes about ``time_limit_s``;
-   a heuristic's last simulation, the scoring of the candidates and a slow
-   warm-start repair can add a few seconds on a large step, and the bench records
-   the time taken as ``solve_time_s``. A search or solve stopped by the clock
-   rather than by its own end may not repeat exactly; the notes say where.
+   step-2 solution, for the rest of the time. Steps 2 and 3 end by
+   ``time_limit_s`` less the time one simulation of the plan took (step 4 makes
+   one more), building their models included, and get at least a second even
+   when the heuristics overran (the notes give each heuristic's seconds and say
+   when less than a quarter of the limit was left). A plan therefore takes about
+   ``time_limit_s``; a search that overruns its share by one simulation can add a
+   second or two on a large step, and the bench records the time taken as
+   ``solve_time_s``. A search or solve stopped by the clock rather than by its
+   own end may not repeat exactly; the notes say where.
 4. **Check.** The solution becomes a :class:`~jaxmem.plan.Plan`; the simulator
    (:func:`jaxmem.plan.simulate_plan`) sets ``predicted_peak_bytes`` and the
    shared estimate (:func:`jaxmem.planners.sublinear.estimate_time_s`) sets
@@ -143,7 +145,8 @@ _HEURISTIC_SHARE = 0.5
 _FIXED_PLANS = frozenset({"chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks"})
 _FIXED_SHARE = 0.4
 _MIN_SOLVE_S = 1.0
-# Share of the time limit CP-SAT gets even when the heuristics used more than the rest.
+# CP-SAT gets what is left of the time limit, at least _MIN_SOLVE_S; when that is less
+# than this share of the limit (the heuristics overran theirs), the notes say so.
 _SOLVE_SHARE = 0.25
 # Share of the time limit the warm start's repairs may take (they are what is slow on
 # a large step: thousands of evaluations of the coarse model).
@@ -337,13 +340,14 @@ def _warm_start(c: Coarsening, heur: list[_Scored], budget_bytes: int, deadline:
 
 
 def _solve(c: Coarsening, hint: tuple[Schedule, Evaluation], opts: dict[str, Any],
-           notes: list[str], limit: float) -> _cpsat_model.SolveResult | None:
-    """Fixed-order solve, then the joint solve (when reordering is allowed), in ``limit`` s."""
+           notes: list[str], deadline: float) -> _cpsat_model.SolveResult | None:
+    """Fixed-order solve, then the joint solve (when reordering is allowed), until
+    ``deadline`` (a ``time.perf_counter()`` value; model building included)."""
     p = c.problem
     kw: dict[str, Any] = dict(num_workers=int(opts["num_workers"]), seed=int(opts["seed"]),
                               deterministic=bool(opts["deterministic"]),
                               units=_cpsat_model.Units(c.tick_s, c.unit_bytes, c.fixed_bytes))
-    limit = max(limit, _MIN_SOLVE_S)
+    limit = max(deadline - time.perf_counter(), _MIN_SOLVE_S)
     fixed = dataclasses.replace(p, fixed_order=hint[0].order) if p.fixed_order is None else p
     share = _FIXED_SHARE if p.fixed_order is None else 1.0
     first = _cpsat_model.solve(fixed, time_limit_s=share * limit, hint=hint, label="order fixed",
@@ -353,8 +357,9 @@ def _solve(c: Coarsening, hint: tuple[Schedule, Evaluation], opts: dict[str, Any
         return first if first.schedule is not None else _failed(first, notes)
     if first.schedule is not None:
         hint = (first.schedule, evaluate(p, first.schedule))
-    joint = _cpsat_model.solve(p, time_limit_s=(1 - share) * limit, hint=hint, label="order free",
-                               **kw)
+    joint = _cpsat_model.solve(p, time_limit_s=max(deadline - time.perf_counter(),
+                                                   (1 - share) * _MIN_SOLVE_S),
+                               hint=hint, label="order free", **kw)
     notes.append(f"CP-SAT, order free: {joint.detail}")
     if joint.schedule is None:
         if first.schedule is not None:
@@ -403,6 +408,8 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
             bound_unit="s", notes=(f"program order fits ({plain.peak_bytes:,} B simulated): "
                                    f"nothing to re-issue or offload, and no plan is estimated "
                                    f"faster; not solved",))
+    # _choose scores the solver's plan as plain was scored: keep that much time for it
+    score_s = time.perf_counter() - started
     heur = _heuristics(graph, budget_bytes, cost_model, opts, notes, plain, started)
     c = coarsen(graph, budget_bytes, cost_model, max_nodes=int(opts["max_nodes"]),
                 reserve_bytes=int(opts["reserve_bytes"]), allow_remat=bool(opts["allow_remat"]),
@@ -427,11 +434,13 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
                            time.perf_counter() + _HINT_SHARE * float(opts["time_limit_s"]), notes)
         notes.append(f"warm start from {hint[2]}: model peak {hint[1].peak} of {p.capacity} units")
         limit = float(opts["time_limit_s"])
-        left = limit - (time.perf_counter() - started)
+        deadline = started + limit - score_s
+        left = deadline - time.perf_counter()
         if left < _SOLVE_SHARE * limit:
-            notes.append(f"the heuristics and the warm start took {limit - left:.1f} s of the "
-                         f"{limit:g} s limit; CP-SAT still gets {_SOLVE_SHARE * limit:.1f} s")
-        result = _solve(c, hint[:2], opts, notes, max(left, _SOLVE_SHARE * limit))
+            notes.append(f"the heuristics and the warm start took "
+                         f"{time.perf_counter() - started:.1f} s of the {limit:g} s limit; "
+                         f"CP-SAT gets {max(left, _MIN_SOLVE_S):.1f} s")
+        result = _solve(c, hint[:2], opts, notes, max(deadline, time.perf_counter() + _MIN_SOLVE_S))
     return _choose(graph, budget_bytes, cost_model, c, result, heur, notes, started, opts)
 
 

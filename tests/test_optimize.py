@@ -342,6 +342,44 @@ def test_time_limit_s_bounds_the_planning_of_all_rounds_together(monkeypatch):
     assert limits == [4.0]
 
 
+def test_re_plans_get_what_the_rounds_before_them_left(monkeypatch):
+    """A planner that overruns its share (by 0.5 s on a fake clock) leaves the re-plans
+    less: each gets what is left of ``time_limit_s`` less the largest overrun so far, and
+    none starts with less than a second left; the error says why the re-plans stopped
+    (ResNet-50 at 6 GB: four calls of 30, 10, 10, 10 s planned for 63.6 s)."""
+    import sys
+    import types
+
+    from jaxmem import plan as plan_lib
+    from jaxmem.planners import greedy
+
+    optimize_lib = sys.modules["jaxmem.optimize"]
+    clock = [0.0]
+    monkeypatch.setattr(optimize_lib, "time", types.SimpleNamespace(
+        perf_counter=lambda: clock[0]))
+    limits = []
+
+    def overruns(g, budget, cost_model, options):
+        limits.append(options["time_limit_s"])
+        clock[0] += options["time_limit_s"] + 0.5
+        every = greedy.split_every(g, cost_model, "remat")
+        plan = plan_lib.unplanned(g, planner="overruns", budget_bytes=budget).replace(
+            remat=dict(list(every.remat.items())[:len(limits)]))  # new decisions each time
+        return plan.replace(predicted_peak_bytes=plan_lib.simulate_plan(g, plan).peak_bytes)
+
+    _use_planner(monkeypatch, "overruns", overruns)
+    params, x = _mlp_args()
+    real = _charge(monkeypatch, lambda n, dev: dev + 1000)  # every plan misses
+    budget = _plain_cpu_bytes(real, params, x)
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+        budget=budget, target="cpu", planner="overruns", time_limit_s=8.0, verify_rounds=4))
+    with pytest.raises(InfeasibleBudgetError, match="no re-plan after round 3"):
+        step.verified(params, x)
+    # 4 (took 4.5); min(4/3, 8 - 4.5 - 0.5); min(4/3, 8 - 6.33 - 0.5); then 0.67 s left
+    assert limits == pytest.approx([4.0, 4 / 3, 8 - 4.5 - (4 / 3 + 0.5) - 0.5])
+    assert step.cache_info().planning_s == pytest.approx(sum(limits) + 0.5 * len(limits))
+
+
 def test_alternatives_are_compiled_and_the_fastest_fitting_plan_is_kept(monkeypatch):
     """A planner's ``Plan.alternatives`` are compiled too; the compiled roofline picks.
 
