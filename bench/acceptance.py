@@ -221,7 +221,16 @@ def _source(r: Record) -> str:
     if fallback is not None:
         return fallback.removeprefix("planner status: ").split(";")[0]
     solver = next((n for n in notes if n.startswith("solver status")), None)
-    return "solver, " + solver.split(";")[0].removeprefix("solver status ") if solver else ""
+    if solver is not None:
+        return "solver, " + solver.split(";")[0].removeprefix("solver status ")
+    # "no plan fits: the lowest simulated peak is N B (name), over ...": the planner's
+    # status was over_budget and the compile found the plan under the budget
+    if any(n.startswith("program order fits") for n in notes):
+        return "program order, not solved"
+    over = next((n for n in notes if n.startswith("no plan fits: ")), None)
+    if over is not None and "(" in over:
+        return f"{over.split('(')[1].split(')')[0]} plan, simulated over, compiled under"
+    return ""
 
 
 def _mib(x: float | None) -> str:

@@ -83,6 +83,20 @@ def test_report_counts_the_points_and_names_fallbacks(tmp_path, capsys):
     assert "Monotone: yes." in text
 
 
+def test_a_plan_simulated_over_and_compiled_under_and_program_order_are_named():
+    """The planner said over_budget (the verify loop then says ok): the kept plan is the
+    lowest-peak candidate its notes name (U-Net at its smallest feasible budget)."""
+    notes = ["no plan fits: the lowest simulated peak is 5,259,265,072 B (keep_matmuls_fit), "
+             "over the budget of 5,093,863,424 B"]
+    text = acceptance.report([*PEERS, rec("cpsat", 250, "ok", 240, 14.0, plan_notes=notes)],
+                             fixed=lambda *key: 100 * MiB)
+    assert "| keep_matmuls_fit plan, simulated over, compiled under |" in text
+    fits = ["program order fits (990 B simulated): nothing to re-issue or offload, ..."]
+    text = acceptance.report([*PEERS, rec("cpsat", 1000, "ok", 1000, 10.0, plan_notes=fits)],
+                             fixed=lambda *key: 100 * MiB)
+    assert "| program order, not solved |" in text
+
+
 def test_the_command_reads_files_and_takes_the_fixed_state_from_the_zoo(tmp_path, capsys):
     records = [{**r, "model": "mlp", "size": "tiny"} for r in
                (*PEERS, rec("cpsat", 600, "ok", 590, 10.9))]
