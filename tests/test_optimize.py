@@ -451,34 +451,47 @@ def test_an_over_budget_rounds_alternative_is_compiled_before_tightening(monkeyp
     assert _same(step(params, x), jax.jit(jax.grad(_mlp_loss))(params, x))
 
 
+def _fast_misses_slow_fits(g, budget, cost_model, name, count):
+    """The step with the first ``count`` re-issues of greedy's everything-re-issued
+    plan, estimated at 1 s, with that plan (2 s) as its one alternative; and the number
+    of re-issues in the alternative."""
+    from jaxmem import plan as plan_lib
+    from jaxmem.planners import greedy
+
+    every = greedy.split_every(g, cost_model, "remat")
+    slow = every.replace(predicted_peak_bytes=plan_lib.simulate_plan(g, every).peak_bytes,
+                         predicted_time_s=2.0, notes=("alternative: everything re-issued",))
+    fast = plan_lib.unplanned(g).replace(remat=dict(list(every.remat.items())[:count]))
+    return fast.replace(planner=name, budget_bytes=budget,
+                        predicted_peak_bytes=plan_lib.simulate_plan(g, fast).peak_bytes,
+                        predicted_time_s=1.0, alternatives=(slow,)), len(every.remat)
+
+
+def _verify_mlp_at_its_plain_peak(monkeypatch, name, planner, real):
+    """The plain mlp gradient step verified with ``planner`` at its compiled peak."""
+    _use_planner(monkeypatch, name, planner)
+    params, x = _mlp_args()
+    plain = _plain_cpu_bytes(real, params, x)
+    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+        budget=plain, target="cpu", planner=name, verify_rounds=4))
+    return plain, step.verified(params, x)
+
+
 def test_a_slower_fitting_alternative_gets_one_more_round(monkeypatch):
     """The planner's plan misses by a little and only its slower alternative fits: the
     loop plans once more, tighter, and ranks the plans that fit (GPT-2 at save_qkv_proj's
     peak: a 12% slower alternative ended the loop; the extra round fits a faster one)."""
-    from jaxmem import plan as plan_lib
-    from jaxmem.planners import greedy
-
     budgets, everything = [], []
     real = _charge(monkeypatch, lambda n, dev: dev + (1000 if n == 1 else 0))
 
     def planner(g, budget, cost_model, options):
         budgets.append(budget)
-        every = greedy.split_every(g, cost_model, "remat")
-        everything.append(len(every.remat))
-        slow = every.replace(predicted_peak_bytes=plan_lib.simulate_plan(g, every).peak_bytes,
-                             predicted_time_s=2.0, notes=("alternative: everything re-issued",))
-        one = dict(list(every.remat.items())[:1])
-        fast = plan_lib.unplanned(g).replace(remat={} if len(budgets) == 1 else one)
-        return fast.replace(planner="misses_then_fits", budget_bytes=budget,
-                            predicted_peak_bytes=plan_lib.simulate_plan(g, fast).peak_bytes,
-                            predicted_time_s=1.0, alternatives=(slow,))
+        plan, every = _fast_misses_slow_fits(g, budget, cost_model, "misses_then_fits",
+                                             0 if len(budgets) == 1 else 1)
+        everything.append(every)
+        return plan
 
-    _use_planner(monkeypatch, "misses_then_fits", planner)
-    params, x = _mlp_args()
-    plain = _plain_cpu_bytes(real, params, x)
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
-        budget=plain, target="cpu", planner="misses_then_fits", verify_rounds=4))
-    verified = step.verified(params, x)
+    plain, verified = _verify_mlp_at_its_plain_peak(monkeypatch, "misses_then_fits", planner, real)
     rounds = verified.rounds
     assert len(budgets) == 2 and budgets[1] < budgets[0] == plain
     assert [r.compiled_bytes <= plain for r in rounds] == [False, True, True]
@@ -493,29 +506,15 @@ def test_a_slower_fitting_alternative_gets_one_more_round(monkeypatch):
 def test_re_plans_go_on_while_the_plan_that_missed_is_estimated_faster(monkeypatch):
     """A fitting slower alternative does not end the loop after one re-plan: the faster
     plan misses twice (Llama at 24.8 GB: by 618, then 301 MiB) and fits the third time."""
-    from jaxmem import plan as plan_lib
-    from jaxmem.planners import greedy
-
     budgets = []
     real = _charge(monkeypatch, lambda n, dev: dev + (1000 if n in (1, 3) else 0))
 
     def planner(g, budget, cost_model, options):
-        budgets.append(budget)
-        every = greedy.split_every(g, cost_model, "remat")
-        slow = every.replace(predicted_peak_bytes=plan_lib.simulate_plan(g, every).peak_bytes,
-                             predicted_time_s=2.0, notes=("alternative: everything re-issued",))
-        fast = plan_lib.unplanned(g).replace(
-            remat=dict(list(every.remat.items())[:len(budgets) - 1]))  # new decisions each time
-        return fast.replace(planner="misses_twice", budget_bytes=budget,
-                            predicted_peak_bytes=plan_lib.simulate_plan(g, fast).peak_bytes,
-                            predicted_time_s=1.0, alternatives=(slow,))
+        budgets.append(budget)  # new decisions each time:
+        return _fast_misses_slow_fits(g, budget, cost_model, "misses_twice", len(budgets) - 1)[0]
 
-    _use_planner(monkeypatch, "misses_twice", planner)
-    params, x = _mlp_args()
-    plain = _plain_cpu_bytes(real, params, x)
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
-        budget=plain, target="cpu", planner="misses_twice", verify_rounds=4))
-    rounds = step.verified(params, x).rounds
+    plain, verified = _verify_mlp_at_its_plain_peak(monkeypatch, "misses_twice", planner, real)
+    rounds = verified.rounds
     assert len(budgets) == 3 and budgets[2] < budgets[1] < budgets[0] == plain
     assert [r.compiled_bytes <= plain for r in rounds] == [False, True, False, True]
     assert [len(r.plan.remat) for r in rounds][2:] == [1, 2]
