@@ -223,10 +223,10 @@ def _source(r: Record) -> str:
     solver = next((n for n in notes if n.startswith("solver status")), None)
     if solver is not None:
         return "solver, " + solver.split(";")[0].removeprefix("solver status ")
-    # "no plan fits: the lowest simulated peak is N B (name), over ...": the planner's
-    # status was over_budget and the compile found the plan under the budget
     if any(n.startswith("program order fits") for n in notes):
         return "program order, not solved"
+    # "no plan fits: the lowest simulated peak is N B (name), over ...": the planner's
+    # status was over_budget and the compile found the plan under the budget
     over = next((n for n in notes if n.startswith("no plan fits: ")), None)
     if over is not None and "(" in over:
         return f"{over.split('(')[1].split(')')[0]} plan, simulated over, compiled under"

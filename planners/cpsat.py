@@ -87,7 +87,7 @@ repeatable),
 layers), ``min_decision_bytes`` (buffers smaller than this are always kept;
 default ``budget / 2000``: fewer variables, little memory left on the table),
 ``heuristics`` (``("chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks",
-"blocks:dots", "blocks:dots_no_batch", "greedy", "keep_matmuls_fit", "sublinear")``:
+"blocks:dots", "blocks:dots_no_batch", "keep_matmuls_fit", "greedy", "sublinear")``:
 registered planners, run in this order, whose plans warm-start the solver and compete
 with its plan, ``"blocks:<save>"`` being ``blocks`` with that ``save`` option;
 ``order_dfs`` / ``order_bfs`` may be added, at a cost of seconds to minutes on large graphs),
