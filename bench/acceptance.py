@@ -20,7 +20,7 @@ not depend on the budget) and prints, per model:
   against the unplanned step (``none``) within 10% and within 20% of its
   estimated time, for the planner and for the best peer.
 - **Solve time**: per point, the planner's solve time, the wall time of the
-  verify loop where recorded (sweeps), the solver's gap and whether the
+  verify loop (planning and compiling), the solver's gap and whether the
   plan fell back to a heuristic's.
 
 Every time here is the roofline estimate the records carry, not a

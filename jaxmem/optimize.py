@@ -248,23 +248,23 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         # Each round has its fixed share; when earlier rounds overran theirs (a search
         # ends a simulation late, CP-SAT's presolve runs on), a re-plan gets only what is
         # left of the step's limit, less the largest overrun so far.
-        share = config.round_time_limit_s(index)
         left = config.time_limit_s - planned_s - overrun_s
         if index and left < _MIN_REPLAN_S:
             out_of_time = (f"no re-plan after round {len(rounds)}: the planner had spent "
                            f"{planned_s:.1f} s of time_limit_s={config.time_limit_s:g}",)
             logger.info("verify: %s", out_of_time[0])
             break
+        limit = min(config.round_time_limit_s(index), left)
         began = time.perf_counter()
         planning_model = planning_costs()[0]  # made once (a profile run, maybe): not the limit's
         costs_s = time.perf_counter() - began
         plan = planner(graph, internal, planning_model,
-                       {**options, "time_limit_s": min(share, left),
+                       {**options, "time_limit_s": limit,
                         "verify_budget_bytes": budget if internal < budget else None,
                         "memo": memo})
         took = time.perf_counter() - began - costs_s
         planned_s += took
-        overrun_s = max(overrun_s, took - min(share, left))
+        overrun_s = max(overrun_s, took - limit)
         counters["plans"] = counters.get("plans", 0) + 1
         counters["planning_s"] = counters.get("planning_s", 0.0) + costs_s + took
         decisions = plan.decisions()

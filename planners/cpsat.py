@@ -277,9 +277,9 @@ def _heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: dict[str, 
         if sub is None:
             continue
         key = (NAME, name, tuple(sorted(sub.items())))
-        if name.partition(":")[0] in _FIXED_PLANS and opts["memo"] is not None \
-                and key in opts["memo"]:
-            out.append(opts["memo"][key])
+        memo = opts["memo"] if name.partition(":")[0] in _FIXED_PLANS else None
+        if memo is not None and key in memo:
+            out.append(memo[key])
             notes.append(f"heuristic {name!r}: the plan of an earlier round, "
                          f"{out[-1].peak_bytes:,} B, {out[-1].time_s:.4g} s estimated")
             continue
@@ -298,8 +298,8 @@ def _heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: dict[str, 
                            name, type(err).__name__, err)
             continue
         out.append(_score(graph, name, plan, cost_model))
-        if name.partition(":")[0] in _FIXED_PLANS and opts["memo"] is not None:
-            opts["memo"][key] = out[-1]
+        if memo is not None:
+            memo[key] = out[-1]
         notes.append(f"heuristic {name!r}: {time.perf_counter() - began:.2f} s, "
                      f"{out[-1].peak_bytes:,} B, {out[-1].time_s:.4g} s estimated")
     if skipped:

@@ -601,7 +601,7 @@ def test_the_heuristics_share_the_time_limit_and_those_not_reached_are_named():
     loss, ws, x = tiny_mlp(4)
     g = build_graph(jax.grad(loss), ws, x)
     budget = unplanned_peak(g) * 8 // 10
-    # heuristics get 40% of 0.01 s: the first runs, the rest are skipped
+    # heuristics get half of 0.01 s: the first runs, the rest are skipped
     plan = plan_cpsat(g, budget, H100, {"time_limit_s": 0.01})
     ran = [n for n in plan.notes if n.startswith("heuristic '")]
     [skipped] = [n for n in plan.notes if n.startswith("heuristics skipped")]
