@@ -597,12 +597,21 @@ def test_the_solvers_plan_handed_over_as_an_alternative_keeps_its_status_and_bou
     assert theirs.lower_bound is None and theirs.gap is None and note not in theirs.notes
 
 
-def test_the_heuristics_share_the_time_limit_and_those_not_reached_are_named():
+def test_the_heuristics_share_the_time_limit_and_those_not_reached_are_named(monkeypatch):
+    import sys
+    import types
+
     loss, ws, x = tiny_mlp(4)
     g = build_graph(jax.grad(loss), ws, x)
     budget = unplanned_peak(g) * 8 // 10
-    # heuristics get half of 0.01 s: the first runs, the rest are skipped
+    # heuristics get half of 0.01 s: the first runs, the rest are skipped. cpsat's clock
+    # ticks 1 ms a reading, so that a slow simulation of the step as written (a loaded
+    # machine) cannot spend the 5 ms before the first heuristic starts.
+    ticks = itertools.count()
+    monkeypatch.setattr(sys.modules["jaxmem.planners.cpsat"], "time",
+                        types.SimpleNamespace(perf_counter=lambda: next(ticks) / 1000))
     plan = plan_cpsat(g, budget, H100, {"time_limit_s": 0.01})
+    monkeypatch.undo()
     ran = [n for n in plan.notes if n.startswith("heuristic '")]
     [skipped] = [n for n in plan.notes if n.startswith("heuristics skipped")]
     assert ran and ran[0].startswith("heuristic 'chen'")
