@@ -99,6 +99,9 @@ def pareto_plot(records: Sequence[dict[str, Any]], path: str) -> str | None:
                        label=r["planner"] if r["planner"] not in seen else None, s=50, zorder=3)
             seen[r["planner"]] = xy[id(r)]
         ax.plot(*zip(*_front(list(xy.values()))), color="0.6", linewidth=1, zorder=1)
+        _mark_outliers(ax, [(*xy[id(r)], r["planner"],
+                             colors[planners.index(r["planner"]) % len(colors)]) for r in mine],
+                       time_unit)
         reach = 1.5 * max(x for x, _ in xy.values())
         far = []
         for b in sorted({r["budget_bytes"] for r in mine if r["budget_bytes"]}):
@@ -110,9 +113,9 @@ def pareto_plot(records: Sequence[dict[str, Any]], path: str) -> str | None:
         title = f"{model} ({first['size']}, {first['variant']}) on {first['target']}"
         if far:
             title += f"\nbudget {', '.join(far)} (off scale, right)"
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title, fontsize=10, pad=12)
         ax.set_xlabel(f"compiled device peak ({mem_unit})")
-        ax.set_ylabel(f"estimated step time ({time_unit}, roofline)")
+        ax.set_ylabel(_time_label(time_unit, mine))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
@@ -120,6 +123,57 @@ def pareto_plot(records: Sequence[dict[str, Any]], path: str) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# A point slower than this many times the fastest point of its panel is drawn at the
+# panel's top edge with its value written beside it, so that the competitive points
+# are not squashed into the bottom of the axis by one slow planner (vDNN, Q-learning).
+OUTLIER_FACTOR = 2.0
+
+
+def _time_limits(times: Sequence[float]) -> tuple[float, float] | None:
+    """The y-axis range that shows the competitive points, or ``None`` if none is an outlier."""
+    fastest = min(times)
+    near = [t for t in times if t <= OUTLIER_FACTOR * fastest]
+    if len(near) == len(times):
+        return None
+    low, high = min(near), max(near)
+    pad = 0.08 * (high - low or high)
+    return low - pad, high + 2 * pad
+
+
+def _mark_outliers(ax: Any, points: Sequence[tuple[float, float, str, Any]],
+                   time_unit: str) -> None:
+    """Clip the y-axis to the competitive points; draw the slow ones on its top edge.
+
+    ``points`` are ``(x, y, name, color)`` in the axis' units. Each outlier is an
+    upward triangle on the top edge; their times are listed, per planner, in the
+    lower left corner (the corner no plan reaches: small and fast).
+    """
+    limits = _time_limits([y for _, y, _, _ in points])
+    if limits is None:
+        return
+    ax.set_ylim(*limits)
+    top = limits[1]
+    slow: dict[str, list[float]] = {}
+    for x, y, name, color in points:
+        if y > top:
+            ax.scatter(x, top, marker="^", color=color, edgecolors="black", linewidths=0.5,
+                       s=70, zorder=5, clip_on=False)
+            slow.setdefault(name, []).append(y)
+    lines = [f"{name}: {min(ys):.3g}" + (f"–{max(ys):.3g}" if max(ys) > min(ys) else "")
+             + f" {time_unit}" for name, ys in slow.items()]
+    ax.text(0.02, 0.03, "off scale (▲ on top):\n" + "\n".join(lines), transform=ax.transAxes,
+            fontsize=7, va="bottom", ha="left",
+            bbox=dict(boxstyle="round", facecolor="white", edgecolor="0.7", alpha=0.9))
+
+
+def _time_label(time_unit: str, mine: Sequence[dict[str, Any]]) -> str:
+    """The y-axis label; it says when slow points are drawn on the top edge."""
+    label = f"estimated step time ({time_unit}, roofline)"
+    if _time_limits([r["est_step_time_s"] for r in mine]) is not None:
+        label += f"\n(▲ on top: over {OUTLIER_FACTOR:g}× the fastest)"
+    return label
 
 
 def _unit(largest: float, units: tuple[tuple[str, float], ...]) -> tuple[str, float]:
@@ -180,11 +234,15 @@ def frontier_plot(records: Sequence[dict[str, Any]], path: str) -> str | None:
                 r = own[0]
                 ax.scatter(r["compiled_peak_bytes"] / mem_scale, r["est_step_time_s"] / time_scale,
                            s=60, zorder=4, edgecolors="black", linewidths=0.5, **style)
+        _mark_outliers(ax, [(r["compiled_peak_bytes"] / mem_scale,
+                             r["est_step_time_s"] / time_scale, r["planner"],
+                             colors[names.index(r["planner"]) % len(colors)]) for r in mine],
+                       time_unit)
         first = mine[0]
         ax.set_title(f"{model} ({first['size']}, {first['variant']}) on {first['target']}: "
-                     f"budget sweep", fontsize=10)
+                     f"budget sweep", fontsize=10, pad=12)
         ax.set_xlabel(f"compiled device peak ({mem_unit}); light red lines: budgets")
-        ax.set_ylabel(f"estimated step time ({time_unit}, roofline)")
+        ax.set_ylabel(_time_label(time_unit, mine))
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
