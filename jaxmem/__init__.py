@@ -21,6 +21,8 @@ Public surface (everything else is internal and may change):
     jaxmem.plan_blocks    choose the decision table of a step's blocks for a budget
 """
 
+# First: imports JAX without the CUDA plugin's start-up noise on CPU-only machines.
+from jaxmem import _startup as _startup
 from jaxmem import profile as profile
 from jaxmem import targets as targets
 from jaxmem.config import Config as Config
