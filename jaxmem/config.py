@@ -10,10 +10,14 @@ True
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+
+import numpy as np
 
 from jaxmem import targets as _targets
 
@@ -29,43 +33,92 @@ DEFAULT_HOST_BUDGET_BYTES = 64 << 30  # XLA's pinned-host pool on a GPU, unless 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+_UNIT_NAMES = ", ".join(("B", "kB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB"))
 
 _BAD_SIZE = (
     "{name}={value!r} is not a size: give an int of bytes, a string like '60GiB', '512MiB' or "
-    "'1.5GB' (units: {units}){fraction}")
+    "'1.5GB' (units: {units}; case does not matter){fraction}")
 
 
-def parse_bytes(value: Any, name: str = "budget", memory_bytes: int | None = None) -> int:
+def format_bytes(n: "int | float | None") -> str:
+    """A byte count for people: B below 1 KiB, else KiB, MiB, GiB or TiB to 3 significant digits.
+
+    >>> format_bytes(512), format_bytes(1536), format_bytes(3 << 20), format_bytes(60 << 30)
+    ('512 B', '1.50 KiB', '3.00 MiB', '60.0 GiB')
+    >>> format_bytes(None)
+    'unknown'
+    """
+    if n is None:
+        return "unknown"
+    n = float(n)
+    sign, n = ("-", -n) if n < 0 else ("", n)
+    if n < 1024:
+        return f"{sign}{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024.0
+        if n < 1024 or unit == "TiB":
+            digits = 2 if n < 10 else 1 if n < 100 else 0
+            return f"{sign}{n:,.{digits}f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _fraction_bytes(value: float, name: str, memory_bytes: int, where: str) -> int:
+    nbytes = int(value * memory_bytes)
+    if nbytes < 1:
+        raise ValueError(
+            f"{name}={value!r} is a fraction of the target's memory that comes to 0 bytes on "
+            f"{where}; the smallest fraction that comes to one byte there is "
+            f"{1 / memory_bytes:.3g}. Give a size instead: {name}='512MiB' or an int of bytes")
+    return nbytes
+
+
+def parse_bytes(value: Any, name: str = "budget", memory_bytes: int | None = None,
+                where: str | None = None) -> int:
     """Bytes from an int, a size string (``"60GiB"``) or a fraction of ``memory_bytes``.
+
+    Ints may be any integral type (``numpy.int64`` too). A float in (0, 1] is a
+    fraction of ``memory_bytes`` (when given); a float above 1 is a number of bytes
+    and must be whole (``1024.0``).
 
     Raises:
       ValueError: naming the value and the accepted forms.
 
-    >>> parse_bytes("1.5 KiB")
-    1536
+    >>> parse_bytes("1.5 KiB"), parse_bytes(1024.0)
+    (1536, 1024)
     """
     fraction = ", or a float in (0, 1] for a fraction of the target's memory" \
         if memory_bytes is not None else ""
-    if isinstance(value, bool):
-        raise ValueError(_BAD_SIZE.format(name=name, value=value, units=", ".join(_UNITS),
-                                          fraction=fraction))
-    if isinstance(value, int):
+    bad = _BAD_SIZE.format(name=name, value=value, units=_UNIT_NAMES, fraction=fraction)
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(bad)
+    if isinstance(value, numbers.Integral):
         if value <= 0:
-            raise ValueError(f"{name}={value} must be a positive number of bytes")
-        return value
-    if isinstance(value, float):
-        if memory_bytes is None or not 0.0 < value <= 1.0:
-            raise ValueError(_BAD_SIZE.format(name=name, value=value, units=", ".join(_UNITS),
-                                              fraction=fraction))
-        return int(value * memory_bytes)
+            raise ValueError(f"{name}={value!r} must be a positive number of bytes")
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(bad)
+        if value <= 0:
+            raise ValueError(f"{name}={value!r} must be positive: {bad.split(': ', 1)[1]}")
+        if value <= 1.0:
+            if memory_bytes is None:
+                raise ValueError(bad)
+            return _fraction_bytes(value, name, memory_bytes,
+                                   where or f"the target ({memory_bytes:,} B)")
+        if not value.is_integer():
+            raise ValueError(
+                f"{name}={value!r}: a float above 1 is a number of bytes and must be whole "
+                f"(a float in (0, 1] is a fraction of the target's memory). Give an int, a "
+                f"whole float such as {math.floor(value)}.0, or a size string like '512MiB'")
+        return int(value)
     if isinstance(value, str):
         m = _SIZE.match(value)
         if m and m.group(2).lower() in _UNITS:
             nbytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
             if nbytes > 0:
                 return nbytes
-    raise ValueError(_BAD_SIZE.format(name=name, value=value, units=", ".join(_UNITS),
-                                      fraction=fraction))
+    raise ValueError(bad)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +126,11 @@ class Config:
     """Options of :func:`jaxmem.optimize`.
 
     Attributes:
-      budget: device memory the step may use: int bytes, a size string
-        (``"60GiB"``) or a float fraction of the target's memory; ``None``:
-        the target's default budget (75% of its memory, what JAX lets XLA use).
+      budget: device memory the step may use: int bytes (any integral type), a
+        size string (``"60GiB"``), a float in (0, 1] for a fraction of the
+        target's memory, or a whole float above 1 for bytes (``1024.0``);
+        ``None``: the target's default budget (75% of its memory, what JAX lets
+        XLA use). A fraction that comes to 0 bytes is an error.
       target: ``"h100"``, ``"h200"``, ``"cpu"`` or ``"auto"`` (the device the
         arguments live on).
       planner: a planner's registry name (``jaxmem.planners.planners()``).
@@ -106,7 +161,8 @@ class Config:
       plan_cache: where verified plans are kept on disk, so a second process
         running the same step does no solving: ``None`` / ``False`` off (the
         default), ``True`` the default folder ``~/.cache/jaxmem/plans``, or a
-        folder path.
+        folder path (created on first write; a path to an existing file is an
+        error here, as it can never hold the cache).
       op_times: how planners price each op: ``"roofline"`` (the default) from
         its FLOPs and bytes on the target; ``"profile"`` from one trial run of
         the plain step under ``jax.profiler`` on the device the arguments live
@@ -139,16 +195,23 @@ class Config:
             raise ValueError(f"Config(target={self.target!r}): allowed targets are "
                              f"{', '.join(TARGET_CHOICES)}")
         if self.budget is not None:
-            parse_bytes(self.budget, "budget", memory_bytes=1)  # form only; size per target
+            # The form, and a fraction that is 0 bytes even on the largest target; the size
+            # itself is per target (budget_bytes).
+            largest = max((_targets.get(n) for n in _targets.names()),
+                          key=lambda t: t.memory_bytes)
+            parse_bytes(self.budget, "budget", memory_bytes=largest.memory_bytes,
+                        where=f"every target (the largest, {largest.name}, has "
+                              f"{largest.memory_bytes:,} B)")
         parse_bytes(self.host_budget, "host_budget")
         for name in ("allow_remat", "allow_offload", "allow_reorder", "allow_state_offload",
                      "bitwise"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Config({name}={getattr(self, name)!r}) must be True or False")
-        if not isinstance(self.time_limit_s, (int, float)) or isinstance(self.time_limit_s, bool) \
-                or self.time_limit_s <= 0:
-            raise ValueError(f"Config(time_limit_s={self.time_limit_s!r}) must be a positive "
-                             f"number of seconds")
+        if not isinstance(self.time_limit_s, numbers.Real) \
+                or isinstance(self.time_limit_s, (bool, np.bool_)) \
+                or not math.isfinite(self.time_limit_s) or self.time_limit_s <= 0:
+            raise ValueError(f"Config(time_limit_s={self.time_limit_s!r}) must be a positive, "
+                             f"finite number of seconds (the default is 60)")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"Config(seed={self.seed!r}) must be an int")
         if self.on_over_budget not in ON_OVER_BUDGET:
@@ -163,6 +226,12 @@ class Config:
                 or self.plan_cache == "":
             raise ValueError(f"Config(plan_cache={self.plan_cache!r}): use None or False (off), "
                              f"True (the default folder ~/.cache/jaxmem/plans) or a folder path")
+        folder = self.plan_cache_dir()
+        if folder is not None and folder.exists() and not folder.is_dir():
+            raise ValueError(f"Config(plan_cache={self.plan_cache!r}) is an existing file, not a "
+                             f"folder: the plan cache keeps one file per plan in a folder. Pass a "
+                             f"folder path (it is created on first write) or True for "
+                             f"~/.cache/jaxmem/plans")
         _check_planner(self.planner)
 
     def resolve_target(self, args: Any = ()) -> _targets.Target:
@@ -176,7 +245,8 @@ class Config:
         t = _targets.get(target)
         if self.budget is None:
             return t.default_budget_bytes
-        return parse_bytes(self.budget, "budget", memory_bytes=t.memory_bytes)
+        return parse_bytes(self.budget, "budget", memory_bytes=t.memory_bytes,
+                           where=f"{t.name} ({t.memory_bytes:,} B)")
 
     def plan_cache_dir(self) -> "Path | None":
         """The plan-cache folder, or ``None`` when the cache is off."""

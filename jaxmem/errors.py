@@ -9,13 +9,16 @@
 
 from __future__ import annotations
 
-_MiB = float(1 << 20)
+from typing import Sequence
+
+from jaxmem.config import format_bytes
+
 # Planners named in the message as worth a try (the one that failed left out).
 _SUGGESTED = ("cpsat", "sublinear", "blocks")
 
 
-def _mib(n: int | None) -> str:
-    return "unknown" if n is None else f"{n / _MiB:,.1f} MiB ({n:,} B)"
+def _size(n: int | None) -> str:
+    return "unknown" if n is None else f"{format_bytes(n)} ({n:,} B)"
 
 
 class InfeasibleBudgetError(ValueError):
@@ -31,28 +34,66 @@ class InfeasibleBudgetError(ValueError):
         bound; ``None`` when unknown. Another planner may reach lower.
       detail: what was tried, for the message.
       planner: the planner that was used, when known (the message then suggests others).
+      floor_bytes: the device bytes no plan can go below, when known: the
+        step's arguments and the outputs it cannot write into donated
+        arguments (non-donated argument bytes + output bytes, and at least all
+        argument bytes). When it is over the budget, the message names it and
+        the arguments to donate instead of suggesting other planners.
+      undonated: ``(argument, bytes)`` of the largest arguments the step does
+        not donate, largest first (``argument`` as the user would pass it to
+        ``donate_argnums``/``donate_argnames``: an int or a name).
     """
 
     def __init__(self, budget_bytes: int, best_compiled_bytes: int | None,
                  min_feasible_bytes: int | None, detail: str = "",
-                 planner: str | None = None) -> None:
+                 planner: str | None = None, floor_bytes: int | None = None,
+                 undonated: Sequence[tuple[int | str, int]] = ()) -> None:
         self.budget_bytes = int(budget_bytes)
         self.best_compiled_bytes = None if best_compiled_bytes is None else int(best_compiled_bytes)
         self.min_feasible_bytes = None if min_feasible_bytes is None else int(min_feasible_bytes)
         self.detail = detail
-        others = " or ".join(repr(p) for p in [p for p in _SUGGESTED if p != planner][:2])
-        message = (
-            f"no plan fits the memory budget of {_mib(self.budget_bytes)}: the best plan compiled "
-            f"to {_mib(self.best_compiled_bytes)} of device memory; the smallest budget this "
-            f"planner is known to fit is {_mib(self.min_feasible_bytes)} (another planner, e.g. "
-            f"{others}, may reach lower). Raise the budget (Config(budget=...)), try "
-            f"another planner (Config(planner=...)), allow more remat/offload (allow_remat / "
-            f"allow_offload / allow_state_offload), make the batch smaller, or pass "
-            f"Config(on_over_budget='warn') to run the best plan anyway.")
+        self.planner = planner
+        self.floor_bytes = None if floor_bytes is None else int(floor_bytes)
+        self.undonated = tuple((a, int(b)) for a, b in undonated)
+        head = (f"no plan fits the memory budget of {_size(self.budget_bytes)}: the best plan "
+                f"compiled to {_size(self.best_compiled_bytes)} of device memory; the smallest "
+                f"budget this planner is known to fit is {_size(self.min_feasible_bytes)}")
+        if self.floor_bytes is not None and self.floor_bytes > self.budget_bytes:
+            message = head + ". " + self._floor_advice()
+        else:
+            others = " or ".join(repr(p) for p in [p for p in _SUGGESTED if p != planner][:2])
+            message = (
+                f"{head} (another planner, e.g. {others}, may reach "
+                f"lower). Raise the budget (Config(budget=...)), try another planner "
+                f"(Config(planner=...)), allow more remat/offload (allow_remat / allow_offload / "
+                f"allow_state_offload), make the batch smaller, or pass "
+                f"Config(on_over_budget='warn') to run the best plan anyway.")
         if detail:
             message += f" Tried: {detail}"
         super().__init__(message)
 
+    def _floor_advice(self) -> str:
+        text = (f"The step's arguments and the outputs it does not write into donated arguments "
+                f"alone take {_size(self.floor_bytes)}, over the budget, and no plan of "
+                f"remat, offload or order goes below them.")
+        if self.undonated:
+            nums = [a for a, _ in self.undonated if isinstance(a, int)]
+            names = [a for a, _ in self.undonated if isinstance(a, str)]
+            listed = ", ".join(f"argument {a!r}: {format_bytes(b)}" if isinstance(a, str)
+                               else f"argument {a}: {format_bytes(b)}" for a, b in self.undonated)
+            how = " and ".join(
+                ([f"donate_argnums={tuple(nums) if len(nums) > 1 else nums[0]}"] if nums else [])
+                + ([f"donate_argnames={tuple(names) if len(names) > 1 else names[0]!r}"]
+                   if names else []))
+            text += (f" The largest arguments the step does not donate are {listed}: if the "
+                     f"step returns their new values (parameters, optimizer state), donate them "
+                     f"({how}) so that XLA writes the outputs into their buffers.")
+        text += (" Otherwise raise the budget (Config(budget=...)), place the state on the host "
+                 "(allow_state_offload=True), make the arguments smaller, or pass "
+                 "Config(on_over_budget='warn') to run the best plan anyway.")
+        return text
+
     def __reduce__(self):  # keep the fields through pickling (multiprocessing, pytest-xdist)
         return (type(self), (self.budget_bytes, self.best_compiled_bytes,
-                             self.min_feasible_bytes, self.detail))
+                             self.min_feasible_bytes, self.detail, self.planner,
+                             self.floor_bytes, self.undonated))

@@ -31,10 +31,12 @@ With ``Config(plan_cache=...)`` verified plans are stored on disk
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import inspect
 import logging
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -48,16 +50,19 @@ from jaxmem import level as level_lib
 from jaxmem import plan as plan_lib
 from jaxmem import targets as targets_lib
 from jaxmem import trace as trace_lib
-from jaxmem.config import Config
+from jaxmem.config import Config, format_bytes
 from jaxmem.errors import InfeasibleBudgetError
 from jaxmem.profile import planning_cost_model
 
 logger = logging.getLogger(__name__)
 
-_MiB = float(1 << 20)
 # A plan whose offloads compile this share over its simulated peak makes the verify
 # loop plan its later rounds without offloads (planners that honour allow_offload).
 _OFFLOAD_MISS = 0.25
+# Platforms whose compile of the step as written is tried before any plan when the simulator
+# puts it over the budget (the CPU: a compile costs little there, and XLA:CPU's buffer
+# assignment often keeps a step within a budget the simulator says it misses).
+_PLAIN_FIRST_PLATFORMS: tuple[str, ...] = ("cpu",)
 # A re-plan is not started with less than this much of Config.time_limit_s left.
 _MIN_REPLAN_S = 1.0
 
@@ -169,7 +174,8 @@ def compile_plan(graph: Any, plan: plan_lib.Plan, target: targets_lib.Target,
 def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args: Sequence[Any],
            donate_argnums: tuple[int, ...], counters: dict[str, float] | None = None,
            plain_first: bool = False, cost_model: Any = None, cost_notes: Sequence[str] = (),
-           costs: Callable[[], tuple[Any, Sequence[str]]] | None = None
+           costs: Callable[[], tuple[Any, Sequence[str]]] | None = None,
+           arg_labels: Sequence[int | str] | None = None
            ) -> tuple[plan_lib.Plan, Any, jax.stages.Compiled, tuple[Round, ...]]:
     """Plan, emit and compile until the compiled step fits the budget.
 
@@ -192,6 +198,12 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
       costs: instead of ``cost_model`` and ``cost_notes``, a function that makes
         them. Either way they are made (a profile run) only when a planner runs:
         not when ``plain_first``'s step as written fits.
+      arg_labels: how the user names each of ``abstract_args`` (a position or a
+        keyword), for the error that suggests donating them.
+
+    On the CPU target, when the simulator puts the step as written over the
+    budget, it is compiled first and kept if it fits: XLA:CPU can keep it
+    within a budget the simulator says it misses, and then no plan is needed.
 
     Returns:
       The accepted plan, its jitted emitted step, its compiled form and every round.
@@ -234,15 +246,26 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         return dev, host
 
     plain = plan_lib.unplanned(graph, planner=config.planner, budget_bytes=budget)
+    plain_peak: list[int] = []
+
+    def plain_predicted() -> int:
+        if not plain_peak:
+            plain_peak.append(plan_lib.simulate_plan(graph, plain).peak_bytes)
+        return plain_peak[0]
 
     def compile_plain(note: str) -> int:
         seen.add(plain.decisions())
-        predicted = plan_lib.simulate_plan(graph, plain).peak_bytes
-        return compile_round(plain.replace(predicted_peak_bytes=predicted, notes=(note,)),
+        return compile_round(plain.replace(predicted_peak_bytes=plain_predicted(), notes=(note,)),
                              budget)[0]
 
     if plain_first:
         compile_plain("the step as written, with its blocks' verified decision table")
+    elif target.platform in _PLAIN_FIRST_PLATFORMS and plain_predicted() > budget:
+        # No decision the budget does not need: XLA:CPU can keep the step as written within
+        # a budget the simulator says it misses (its buffer assignment reuses more than
+        # the simulator's order allows), so the step as written is compiled before any plan.
+        compile_plain("the step as written: the simulator put it over the budget, compiled "
+                      "first on the CPU")
     for index in range(config.verify_rounds if not rounds or rounds[0].compiled_bytes > budget
                        else 0):
         # Each round has its fixed share; when earlier rounds overran theirs (a search
@@ -272,8 +295,8 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
             # Same decisions at a tighter budget: the planner's own estimate still says they fit.
             # Tighten again by the last overshoot (at least 1% of the budget) instead of giving up.
             step_down = max(overshoot, budget // 100)
-            logger.info("planner %s returned the same plan at budget %.1f MiB; tightening by "
-                        "%.1f MiB", config.planner, internal / _MiB, step_down / _MiB)
+            logger.info("planner %s returned the same plan at budget %s; tightening by %s",
+                        config.planner, format_bytes(internal), format_bytes(step_down))
             internal -= step_down
             if internal <= 0:
                 break
@@ -281,10 +304,10 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         seen.add(decisions)
         first = len(rounds)
         dev, host = compile_round(plan, internal)
-        logger.info("round %d: planner budget %.1f MiB, predicted %.1f MiB, compiled %.1f MiB "
-                    "device + %.1f MiB host on %s (budget %.1f MiB)", len(rounds),
-                    internal / _MiB, plan.predicted_peak_bytes / _MiB, dev / _MiB, host / _MiB,
-                    target.name, budget / _MiB)
+        logger.info("round %d: planner budget %s, predicted %s, compiled %s device + %s host "
+                    "on %s (budget %s)", len(rounds), format_bytes(internal),
+                    format_bytes(plan.predicted_peak_bytes), format_bytes(dev),
+                    format_bytes(host), target.name, format_bytes(budget))
         if dev <= budget or (fitting_time_s is not None and (
                 plan.predicted_time_s is None or plan.predicted_time_s >= fitting_time_s)):
             break
@@ -306,9 +329,9 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
             # (prefetches scheduled early, say): plan the next rounds without offloads, at
             # the same budget (this miss says nothing about the simulator's remat plans).
             options = {**options, "allow_offload": False}
-            logger.warning("round %d: the plan's offloads compiled to %.1f MiB against %.1f MiB "
-                           "simulated; planning the next rounds without offloads",
-                           len(rounds), dev / _MiB, plan.predicted_peak_bytes / _MiB)
+            logger.warning("round %d: the plan's offloads compiled to %s against %s simulated; "
+                           "planning the next rounds without offloads", len(rounds),
+                           format_bytes(dev), format_bytes(plan.predicted_peak_bytes))
             if all(r.plan.offload for r in rounds[first:]):
                 continue
         # Tighten by the plan of this round that came closest (an alternative may have):
@@ -329,8 +352,8 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         # on its own, e.g. under jax.checkpoint policies): compile it once before giving up.
         dev = compile_plain("every plan compiled over the budget; the step as written (no "
                             "decisions) was compiled as a last resort")
-        logger.info("last resort: the step as written compiled to %.1f MiB device on %s "
-                    "(budget %.1f MiB)", dev / _MiB, target.name, budget / _MiB)
+        logger.info("last resort: the step as written compiled to %s device on %s (budget %s)",
+                    format_bytes(dev), target.name, format_bytes(budget))
     best = min(range(len(rounds)), key=lambda i: rounds[i].compiled_bytes)
     ranking: tuple[str, ...] = ()
     fitting = sum(r.compiled_bytes <= budget for r in rounds)
@@ -343,24 +366,74 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
                  (f"planner status: {chosen.plan.status}",))
     notes = (*fell_back, *(made[0][1] if made else ()), *chosen.plan.notes, *ranking,
              *out_of_time,
-             f"verified on {target.name}: {chosen.compiled_bytes / _MiB:,.1f} MiB device + "
-             f"{chosen.host_bytes / _MiB:,.1f} MiB host compiled, round {best + 1} of "
+             f"verified on {target.name}: {format_bytes(chosen.compiled_bytes)} device + "
+             f"{format_bytes(chosen.host_bytes)} host compiled, round {best + 1} of "
              f"{len(rounds)}")
     if chosen.compiled_bytes <= budget:
-        plan = chosen.plan.replace(status="ok", budget_bytes=budget, notes=notes)
+        plan = chosen.plan.replace(status="ok", budget_bytes=budget, notes=notes,
+                                   compiled_bytes=chosen.compiled_bytes)
         return plan, built[best][0], built[best][1], tuple(rounds)
-    tried = "; ".join(f"planner budget {r.planner_budget_bytes / _MiB:,.1f} MiB -> compiled "
-                      f"{r.compiled_bytes / _MiB:,.1f} MiB" for r in rounds)
+    tried = "; ".join(f"planner budget {format_bytes(r.planner_budget_bytes)} -> compiled "
+                      f"{format_bytes(r.compiled_bytes)}" for r in rounds)
     tried += "".join(f" ({why})" for why in out_of_time) + _bitwise_hint(graph, config)
+    floor, undonated = ((None, ()) if config.allow_state_offload else
+                        argument_floor(graph, abstract_args, donate_argnums, arg_labels))
     if config.on_over_budget == "warn":
-        logger.warning("no plan fits the budget of %.1f MiB on %s; running the best plan "
-                       "(%.1f MiB). Tried: %s", budget / _MiB, target.name,
-                       chosen.compiled_bytes / _MiB, tried)
-        plan = chosen.plan.replace(status="over_budget", budget_bytes=budget, notes=notes)
+        below = ("" if floor is None or floor <= budget else
+                 f" The arguments and the outputs the step does not write into donated "
+                 f"arguments alone take {format_bytes(floor)}"
+                 + (f"; donating the largest ({', '.join(str(a) for a, _ in undonated)}) "
+                    f"may let it fit" if undonated else "") + ".")
+        logger.warning("no plan fits the budget of %s on %s; running the best plan (%s).%s "
+                       "Tried: %s", format_bytes(budget), target.name,
+                       format_bytes(chosen.compiled_bytes), below, tried)
+        plan = chosen.plan.replace(status="over_budget", budget_bytes=budget, notes=notes,
+                                   compiled_bytes=chosen.compiled_bytes)
         return plan, built[best][0], built[best][1], tuple(rounds)
     raise InfeasibleBudgetError(budget, chosen.compiled_bytes, chosen.compiled_bytes,
                                 detail=f"planner {config.planner!r} on {target.name}: {tried}",
-                                planner=config.planner)
+                                planner=config.planner, floor_bytes=floor, undonated=undonated)
+
+
+def argument_floor(graph: Any, args: Sequence[Any], donate_argnums: Sequence[int],
+                   labels: Sequence[int | str] | None = None
+                   ) -> tuple[int | None, tuple[tuple[int | str, int], ...]]:
+    """The device bytes no plan goes below, and the largest arguments not donated.
+
+    XLA counts a step's device bytes as temp + arguments + outputs - aliased, and
+    only donated arguments can alias outputs; so every plan needs at least all
+    argument bytes, and at least the non-donated arguments plus the outputs
+    (outputs that are arguments passed through count once).
+
+    Args:
+      graph: the step's ``MemGraph``, traced with ``args`` as its flat inputs.
+      args: the step's dynamic arguments (pytrees), in the order traced.
+      donate_argnums: donated positions among ``args``.
+      labels: how the user names each of ``args`` (their position in the call or
+        keyword); by default their positions.
+
+    Returns:
+      ``(floor_bytes, undonated)``: ``undonated`` lists ``(label, bytes)`` of the
+      non-donated arguments that hold at least a tenth of the non-donated bytes,
+      largest first (at most four); ``(None, ())`` when the graph's inputs do not
+      match ``args``.
+    """
+    counts = [len(jax.tree_util.tree_leaves(a)) for a in args]
+    if sum(counts) != len(graph.inputs):
+        return None, ()
+    labels = tuple(range(len(args))) if labels is None else tuple(labels)
+    sizes, start = [], 0
+    for n in counts:
+        sizes.append(sum(graph.tensors[t].bytes for t in graph.inputs[start:start + n]))
+        start += n
+    donated = set(donate_argnums)
+    kept = [(labels[i], b) for i, b in enumerate(sizes) if i not in donated and b > 0]
+    kept_bytes = sum(b for _, b in kept)
+    inputs = set(graph.inputs)
+    outputs = sum(graph.tensors[t].bytes for t in set(graph.outputs) if t not in inputs)
+    floor = max(sum(sizes), kept_bytes + outputs)
+    big = sorted((x for x in kept if 10 * x[1] >= kept_bytes), key=lambda x: -x[1])[:4]
+    return floor, tuple(big)
 
 
 def _bitwise_hint(graph: Any, config: Config) -> str:
@@ -391,9 +464,9 @@ def _alternative_fits(plan: plan_lib.Plan, planner_budget: int, budget: int, see
             continue
         seen.add(decisions)
         dev, host = compile_round(alt, planner_budget)
-        logger.info("alternative %s: compiled %.1f MiB device + %.1f MiB host (budget %.1f MiB)",
+        logger.info("alternative %s: compiled %s device + %s host (budget %s)",
                     alt.notes[-1].removeprefix("alternative: ") if alt.notes else "?",
-                    dev / _MiB, host / _MiB, budget / _MiB)
+                    format_bytes(dev), format_bytes(host), format_bytes(budget))
         if dev <= budget:
             return True
     return False
@@ -426,7 +499,7 @@ def _rank_alternatives(first: int, rounds: list[Round], built: list[tuple[Any, A
         last = rounds[i].plan.notes[-1] if rounds[i].plan.notes else ""
         return last if last.startswith("alternative: ") else f"round {i + 1}"
 
-    lines = [f"{label(i)}: {rounds[i].compiled_bytes / _MiB:,.1f} MiB, {times[i] * 1e3:.4g} ms"
+    lines = [f"{label(i)}: {format_bytes(rounds[i].compiled_bytes)}, {times[i] * 1e3:.4g} ms"
              for i in fitting]
     logger.info("ranked %d fitting plans by compiled time: %s", len(fitting), "; ".join(lines))
     return best, (f"ranked {len(fitting)} fitting plans by compiled roofline time (kept the "
@@ -452,8 +525,10 @@ def plan_key(graph: Any, config: Config, target: targets_lib.Target) -> str:
     program_text = (f"{program.jaxpr}\navals: {avals}\nshardings: {program.in_shardings}\n"
                     f"donated: {program.donated}\nroles: {program.in_roles}")
     options = sorted(config.planner_options().items())
+    # on_over_budget is left out: it changes what happens to a plan over the budget, not the
+    # plan (a loaded plan is checked against it again).
     return cache_lib.fingerprint(program_text, config.planner, config.budget_bytes(target), options,
-                                 config.verify_rounds, config.on_over_budget, target.name,
+                                 config.verify_rounds, target.name,
                                  *(() if config.op_times == "roofline" else (config.op_times,)))
 
 
@@ -464,13 +539,46 @@ def _cached_plan(disk: cache_lib.PlanCache, key: str, graph: Any) -> plan_lib.Pl
         return None
     try:
         plan_lib.check_plan(plan_lib.view(graph), plan)
-    except ValueError as err:
-        logger.warning("plan cache: entry %s does not fit the traced step (%s); planning again",
-                       disk.path(key), err)
+    # A plan from disk can name anything: ops or tensors the step does not have.
+    except (ValueError, IndexError, KeyError, TypeError) as err:
         disk.hits -= 1
-        disk.misses += 1
+        disk.reject(disk.path(key), f"it does not fit the traced step: {err}")
         return None
     return plan
+
+
+def _recheck_cached(disk: cache_lib.PlanCache, key: str, plan: plan_lib.Plan, dev: int,
+                    config: Config, target: targets_lib.Target, graph: Any,
+                    abstract: Sequence[Any], donated: Sequence[int],
+                    labels: Sequence[int | str]) -> plan_lib.Plan | None:
+    """A cached plan checked against the budget by its compile: the plan to run, ``None``
+    to plan again, or ``InfeasibleBudgetError`` under ``on_over_budget="raise"``.
+
+    The entry is shared by both ``on_over_budget`` settings: a plan stored over the
+    budget under ``"warn"`` (the best the planner found) runs with a warning under
+    ``"warn"`` and raises under ``"raise"``; a plan stored as fitting that no longer
+    compiles within the budget is planned again.
+    """
+    budget = config.budget_bytes(target)
+    if dev <= budget:
+        return plan.replace(status="ok", compiled_bytes=dev)
+    if plan.status != "over_budget":
+        disk.hits -= 1
+        disk.reject(disk.path(key), f"its plan compiles to {format_bytes(dev)}, over the budget "
+                                    f"of {format_bytes(budget)} it was stored for")
+        return None
+    if config.on_over_budget == "warn":
+        logger.warning("no plan fits the budget of %s on %s; running the best plan (%s), "
+                       "loaded from the plan cache (%s)", format_bytes(budget), target.name,
+                       format_bytes(dev), disk.path(key))
+        return plan.replace(compiled_bytes=dev)
+    floor, undonated = ((None, ()) if config.allow_state_offload else
+                        argument_floor(graph, abstract, donated, labels))
+    raise InfeasibleBudgetError(
+        budget, dev, dev, planner=config.planner, floor_bytes=floor, undonated=undonated,
+        detail=f"planner {config.planner!r} on {target.name}: its best plan, stored in the plan "
+               f"cache ({disk.path(key)}) under on_over_budget='warn', compiles to "
+               f"{format_bytes(dev)}")
 
 
 ### The decorator
@@ -486,10 +594,20 @@ def optimize(fun: Callable[..., Any] | None = None, *, config: Config | None = N
     (``@jaxmem.optimize(config=jaxmem.Config(budget="60GiB"), donate_argnums=0)``).
 
     Args:
-      fun: the step (forward, ``jax.grad`` and update in one function).
+      fun: the step (forward, ``jax.grad`` and update in one function). A step
+        already wrapped in ``jax.jit`` or ``flax.nnx.jit`` is planned through
+        the wrapper: its static and donated arguments count as if given here,
+        and under ``nnx.jit`` the Modules and Optimizers passed in are updated
+        in place as ``nnx.jit`` does (its pure function is what is planned).
       config: budget, target, planner and options (default ``Config()``).
       static_argnums / static_argnames: static arguments, as for ``jax.jit``.
-      donate_argnums / donate_argnames: donated arguments, as for ``jax.jit``.
+      donate_argnums / donate_argnames: donated arguments, as for ``jax.jit``;
+        numbers past the step's positional arguments and names it does not
+        take raise ``ValueError`` here, as ``jax.jit`` does.
+
+    Like ``jax.jit``, each new signature is traced and planned once, also when
+    several threads call it at the same time (the others wait for it), and an
+    error raised while tracing names the step, its file:line and arguments.
 
     Returns:
       An :class:`Optimized` step: call it like the function; ``.plan(*args)``
@@ -506,8 +624,9 @@ def optimize(fun: Callable[..., Any] | None = None, *, config: Config | None = N
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"config must be a jaxmem.Config; got {type(config).__name__}. Fix: "
                         f"config=jaxmem.Config(budget='60GiB', target='h100').")
-    return Optimized(fun, config or Config(), static_argnums, static_argnames, donate_argnums,
-                     donate_argnames)
+    cls = _NnxOptimized if _is_nnx_jit(fun) else Optimized
+    return cls(fun, config or Config(), static_argnums, static_argnames, donate_argnums,
+               donate_argnames)
 
 
 def _tuple(x: Any, kind: type) -> tuple[Any, ...]:
@@ -522,15 +641,41 @@ class Optimized:
                  donate_argnums: Any = (), donate_argnames: Any = ()) -> None:
         self.fun = fun
         self.config = config
-        nums, names = _infer(fun, _tuple(static_argnums, int), _tuple(static_argnames, str))
+        static_argnums, static_argnames = _tuple(static_argnums, int), _tuple(static_argnames, str)
+        donate_argnums, donate_argnames = _tuple(donate_argnums, int), _tuple(donate_argnames, str)
+        inner = _jit_info(fun)
+        if inner is not None:  # jax.jit / nnx.jit: its static and donated arguments are ours too
+            static_argnums += tuple(inner.static_argnums)
+            static_argnames += tuple(inner.static_argnames)
+            donate_argnums += tuple(inner.donate_argnums)
+            donate_argnames += tuple(inner.donate_argnames)
+        name = getattr(fun, "__name__", type(fun).__name__)
+        signature = _signature(fun)
+        if signature is not None:
+            _check_argnums(name, signature, static_argnums, "static_argnums")
+            _check_argnames(name, signature, static_argnames, "static_argnames")
+            _check_argnums(name, signature, donate_argnums, "donate_argnums")
+            _check_argnames(name, signature, donate_argnames, "donate_argnames")
+        elif donate_argnames:
+            raise ValueError(f"jaxmem.optimize({name}): the signature of {fun!r} cannot be read, "
+                             f"so donate_argnames cannot be resolved; pass donate_argnums instead "
+                             f"(as jax.jit asks)")
+        nums, names = _infer(fun, static_argnums, static_argnames)
         self.static_argnums, self.static_argnames = nums, names
-        self.donate_argnums, self.donate_argnames = _infer(
-            fun, _tuple(donate_argnums, int), _tuple(donate_argnames, str))
+        self.donate_argnums, self.donate_argnames = _infer(fun, donate_argnums, donate_argnames)
         both = set(self.static_argnums) & set(self.donate_argnums)
         if both:
             raise ValueError(f"arguments {sorted(both)} are both static and donated; a static "
                              f"argument has no buffer to donate")
-        functools.update_wrapper(self, fun)
+        both_names = set(self.static_argnames) & set(self.donate_argnames)
+        if both_names:
+            raise ValueError(f"static_argnames and donate_argnames cannot intersect: "
+                             f"{sorted(both_names)} appear in both")
+        # Only the naming attributes: update_wrapper's default also copies the wrapped object's
+        # __dict__ (jax.jit's and nnx.jit's own fields) over this object's.
+        functools.update_wrapper(self, fun, updated=())
+        self._lock = threading.Lock()
+        self._building: dict[Any, tuple[concurrent.futures.Future[Any], int]] = {}
         self._entries: dict[Any, _Entry] = {}
         self._plans: dict[Any, plan_lib.Plan] = {}
         self._costs: dict[Any, tuple[Any, tuple[str, ...]]] = {}
@@ -548,6 +693,10 @@ class Optimized:
 
     def _as_method(self) -> "Optimized":
         """This step with argument 0 (the instance, wrapped in ``_Static``) static; made once."""
+        with self._lock:
+            return self._method_locked()
+
+    def _method_locked(self) -> "Optimized":
         method = self.__dict__.get("_method")
         if method is None:
             fun = self.fun
@@ -555,7 +704,7 @@ class Optimized:
             def call(instance: _Static, *args: Any, **kwargs: Any) -> Any:
                 return fun(instance.value, *args, **kwargs)
 
-            functools.update_wrapper(call, fun)
+            functools.update_wrapper(call, fun, updated=())
             method = Optimized(call, self.config, (0, *self.static_argnums), self.static_argnames,
                                self.donate_argnums, self.donate_argnames)
             method._counters = self._counters
@@ -586,23 +735,30 @@ class Optimized:
         if key in self._entries and self._entries[key].plan is not None:
             return self._entries[key].plan  # type: ignore[return-value]
         if key not in self._plans:
-            from jaxmem import planners
-
-            target = config.resolve_target(dyn)
-            graph = self._graph(dyn, rebuild, target)
-            disk = self._disk_cache(config)
-            plan = _cached_plan(disk, plan_key(graph, config, target), graph) if disk else None
-            if plan is None:
-                cost_model, cost_notes = self._planning_costs((key, True), graph, target,
-                                                              config, dyn)
-                began = time.perf_counter()
-                plan = planners.get(config.planner).fn(
-                    graph, config.budget_bytes(target), cost_model, config.planner_options())
-                plan = plan.replace(notes=(*cost_notes, *plan.notes))
-                self._counters["plans"] += 1
-                self._counters["planning_s"] += time.perf_counter() - began
-            self._plans[key] = plan.replace(graph=graph)
+            self._once(self._plans, ("plan", key),
+                       lambda: self._plan(key, dyn, rebuild, config), key)
         return self._plans[key]
+
+    def _plan(self, key: Any, dyn: tuple[Any, ...], rebuild: Any, config: Config
+              ) -> plan_lib.Plan:
+        """Trace and plan one signature (no compile): the plan from the disk cache, else
+        the planner's."""
+        from jaxmem import planners
+
+        target = config.resolve_target(dyn)
+        graph = self._graph(dyn, rebuild, target)
+        disk = self._disk_cache(config)
+        plan = _cached_plan(disk, plan_key(graph, config, target), graph) if disk else None
+        if plan is None:
+            cost_model, cost_notes = self._planning_costs((key, True), graph, target,
+                                                          config, dyn)
+            began = time.perf_counter()
+            plan = planners.get(config.planner).fn(
+                graph, config.budget_bytes(target), cost_model, config.planner_options())
+            plan = plan.replace(notes=(*cost_notes, *plan.notes))
+            self._counters["plans"] += 1
+            self._counters["planning_s"] += time.perf_counter() - began
+        return plan.replace(graph=graph)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The emitted (planned and verified) step lowered for these arguments."""
@@ -694,10 +850,14 @@ class Optimized:
             return fun(*full, **kw)
 
         rebuild.__name__ = getattr(fun, "__name__", "step")
+        # What JAX's trace errors name (the user's function, its file:line and argument
+        # names, not this wrapper's), made only when the signature is traced (_describe).
+        rebuild.describe = lambda: _debug_info(fun, args, kwargs, static, kw_static, dyn)
         donated = tuple(j for j, i in enumerate(dyn_pos) if i in {d % n for d in self.donate_argnums
                                                                    if -n <= d < n})
         donated += tuple(len(dyn_pos) + j for j, k in enumerate(kw_dyn) if k in self.donate_argnames)
         rebuild.donated = donated  # type: ignore[attr-defined]
+        rebuild.arg_labels = (*dyn_pos, *kw_dyn)  # type: ignore[attr-defined]
         return key, dyn, rebuild
 
     def _planning_costs(self, memo: Any, graph: Any, target: targets_lib.Target,
@@ -709,6 +869,7 @@ class Optimized:
         return self._costs[memo]
 
     def _graph(self, dyn: tuple[Any, ...], rebuild: Any, target: targets_lib.Target) -> Any:
+        _describe(rebuild)
         program = trace_lib.trace(rebuild, *dyn, donate_argnums=rebuild.donated)
         return graph_lib.analyse(program, target.name)
 
@@ -726,22 +887,55 @@ class Optimized:
         directory = config.plan_cache_dir()
         if directory is None:
             return None
-        if directory not in self._disk:
-            self._disk[directory] = cache_lib.PlanCache(directory)
-        return self._disk[directory]
+        with self._lock:
+            if directory not in self._disk:
+                self._disk[directory] = cache_lib.PlanCache(directory)
+            return self._disk[directory]
 
     def _entry(self, key: Any, dyn: tuple[Any, ...], rebuild: Any) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._build(dyn, rebuild, key)
-            self._entries[key] = entry
+            entry = self._once(self._entries, ("entry", key),
+                               lambda: self._build(dyn, rebuild, key), key)
         return entry
+
+    def _once(self, table: dict[Any, Any], job: Any, make: Callable[[], Any], key: Any) -> Any:
+        """``table[key]``, made by ``make()`` in one thread while threads asking for the same
+        ``job`` at the same time wait for it (as ``jax.jit`` traces a signature once). A
+        failure is raised in every waiting thread and not kept: the next call tries again."""
+        me = threading.get_ident()
+        with self._lock:
+            if key in table:
+                return table[key]
+            future, builder = self._building.get(job, (None, None))
+            owner = future is None
+            if owner:
+                future = concurrent.futures.Future()
+                self._building[job] = (future, me)
+        if not owner:
+            if builder == me:
+                raise RuntimeError(f"{getattr(self.fun, '__name__', 'the step')} called itself "
+                                   f"with the same signature while being traced")
+            return future.result()
+        try:
+            value = make()
+        except BaseException as err:
+            with self._lock:
+                del self._building[job]
+            future.set_exception(err)
+            raise
+        with self._lock:
+            table[key] = value
+            del self._building[job]
+        future.set_result(value)
+        return value
 
     def _build(self, dyn: tuple[Any, ...], rebuild: Any, entry_key: Any) -> _Entry:
         level = entry_key[0]
         config = effective_config(self.config, level)
         target = config.resolve_target(dyn)
-        donated = rebuild.donated
+        donated, labels = rebuild.donated, rebuild.arg_labels
+        _describe(rebuild)
         if level == 0:
             logger.info("jaxmem.optimize(%s): JAXMEM_LEVEL=0, running as plain jax.jit",
                         rebuild.__name__)
@@ -766,9 +960,12 @@ class Optimized:
         key = plan_key(graph, config, target) if disk is not None else ""
         cached = _cached_plan(disk, key, graph) if disk is not None else None
         if cached is not None:
-            # Verified when it was stored: compile it once, run no planner.
+            # Verified when it was stored: compile it once, run no planner, and check it again.
             jitted, compiled, dev, host = compile_plan(graph, cached, target, abstract, donated,
                                                        self._counters)
+            cached = _recheck_cached(disk, key, cached, dev, config, target, graph, abstract,
+                                     donated, labels)
+        if cached is not None:
             plan, rounds = cached, (Round(cached.budget_bytes, cached, dev, host),)
         else:
             fits = (block_plan is not None and block_plan.compiled_peak_bytes is not None
@@ -778,7 +975,7 @@ class Optimized:
                 graph, config, target, abstract, donated, self._counters, plain_first=fits,
                 # the graph .plan() priced, unless the blocks' decision table changed it
                 costs=lambda: self._planning_costs((entry_key, block_plan is None), graph,
-                                                   target, config, dyn))
+                                                   target, config, dyn), arg_labels=labels)
             if disk is not None:
                 disk.store(key, plan)
         plan = plan.replace(graph=graph)
@@ -790,6 +987,62 @@ class Optimized:
         logger.info("jaxmem.optimize(%s): %s", rebuild.__name__, plan.summary().splitlines()[1])
         return _Entry(target=target, plan=plan, run=run, jitted=jitted, rounds=rounds, graph=graph,
                       block_plan=block_plan)
+
+
+def _is_nnx_jit(fun: Any) -> bool:
+    """Whether ``fun`` is a function wrapped by ``flax.nnx.jit``."""
+    return all(hasattr(fun, a) for a in ("jitted_fn", "_get_pure_args_kwargs",
+                                         "_get_non_pure_out")) and _jit_info(fun) is not None
+
+
+class _NnxOptimized(Optimized):
+    """An ``nnx.jit``-wrapped step: planned on its pure function, called as ``nnx.jit`` calls.
+
+    ``nnx.jit`` turns the Modules, Optimizers and other graph nodes among the
+    arguments into their state, runs a jitted pure function on it and writes the
+    new state back into the objects. Here the pure function is the one planned,
+    emitted and compiled, so objects updated in place by the step are updated as
+    under ``nnx.jit``; its static and donated arguments are kept.
+    """
+
+    def __init__(self, fun: Any, config: Config, *argnums: Any) -> None:
+        super().__init__(fun.jitted_fn, config, *argnums)
+        functools.update_wrapper(self, fun, updated=())
+        self._nnx = fun
+
+    def _context(self) -> Any:
+        from flax.nnx import graph as nnx_graph
+
+        return nnx_graph.update_context(self._nnx)
+
+    def _on_state(self, method: Callable[..., Any], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> Any:
+        """``method`` on the state of the arguments, inside ``nnx.jit``'s update context
+        (where its pure function is traced)."""
+        with self._context():
+            pure_args, pure_kwargs = self._nnx._get_pure_args_kwargs(args, kwargs)
+            return method(self, *pure_args, **pure_kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._context():
+            pure_args, pure_kwargs = self._nnx._get_pure_args_kwargs(args, kwargs)
+            out = Optimized.__call__(self, *pure_args, **pure_kwargs)
+            return self._nnx._get_non_pure_out(*out)
+
+    def plan(self, *args: Any, **kwargs: Any) -> plan_lib.Plan:
+        return self._on_state(Optimized.plan, args, kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        return self._on_state(Optimized.lower, args, kwargs)
+
+    def verified(self, *args: Any, **kwargs: Any) -> Verified:
+        return self._on_state(Optimized.verified, args, kwargs)
+
+    def rounds(self, *args: Any, **kwargs: Any) -> tuple[Round, ...]:
+        return self._on_state(Optimized.rounds, args, kwargs)
+
+    def block_plan(self, *args: Any, **kwargs: Any) -> Any:
+        return self._on_state(Optimized.block_plan, args, kwargs)
 
 
 class _Bound:
@@ -835,6 +1088,57 @@ class _Static:
 ### Helpers
 
 
+def _jit_info(fun: Any) -> Any:
+    """The static/donate argument info of a ``jax.jit``- or ``nnx.jit``-wrapped function
+    (``None`` for anything else): jax's ``PjitInfo``, whose argument numbers and names
+    refer to the wrapped function's own signature."""
+    for obj in (fun, getattr(fun, "jitted_fn", None)):  # jax.jit; nnx.jit's inner jax.jit
+        info = getattr(obj, "_jit_info", None)
+        if info is not None and hasattr(info, "static_argnums") and hasattr(info, "donate_argnums"):
+            return info
+    return None
+
+
+def _signature(fun: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fun)
+    except (TypeError, ValueError):  # some built-ins have none; jax.jit then checks nothing
+        return None
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _check_argnums(name: str, signature: inspect.Signature, argnums: tuple[int, ...],
+                   kind: str) -> None:
+    """Raise as ``jax.jit`` does for argument numbers past the function's positional ones."""
+    params = signature.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return
+    n = sum(p.kind in _POSITIONAL for p in params)
+    if argnums and (-min(argnums) > n or max(argnums) >= n):
+        raise ValueError(f"jaxmem.optimize({name}) has {kind}={tuple(argnums)}, but {name} only "
+                         f"accepts {n} positional arguments.")
+
+
+def _check_argnames(name: str, signature: inspect.Signature, argnames: tuple[str, ...],
+                    kind: str) -> None:
+    """Raise as ``jax.jit`` does for argument names the function does not take by keyword."""
+    params = signature.parameters
+    positional_only = {k for k, p in params.items()
+                       if p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL)} & set(argnames)
+    if positional_only:
+        raise ValueError(f"jaxmem.optimize({name}) has invalid argnames {positional_only} in "
+                         f"{kind}. These are positional-only")
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = set(argnames) - {k for k, p in params.items()
+                               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if unknown:
+        raise ValueError(f"jaxmem.optimize({name}) has invalid argnames {unknown} in {kind}. "
+                         f"{name} does not take these args.")
+
+
 def _infer(fun: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...]
            ) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Argument numbers and names of each other, from the signature (as ``jax.jit`` does)."""
@@ -849,6 +1153,35 @@ def _infer(fun: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...
     names_out = set(names) | {positional[i] for i in nums if 0 <= i < len(positional)
                               and positional[i] in by_name}
     return tuple(sorted(nums_out)), tuple(sorted(names_out))
+
+
+def _debug_info(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                static: Sequence[int], static_names: Sequence[str], dyn: tuple[Any, ...]
+                ) -> Any:
+    """JAX's debug info of ``fun(*args, **kwargs)`` traced by jit (its name, file:line and
+    the names of its dynamic argument leaves), or ``None`` when this JAX cannot make it."""
+    try:
+        from jax._src import api_util
+    except ImportError as err:  # JAX's internals moved: errors then name jaxmem's wrapper
+        logger.debug("no debug info for %r: %s", fun, err)
+        return None
+    info = api_util.debug_info("jit", fun, args, kwargs, static_argnums=tuple(static),
+                               static_argnames=tuple(static_names))
+    if info.arg_names is not None and len(info.arg_names) != len(jax.tree_util.tree_leaves(dyn)):
+        logger.debug("debug info of %r names %d arguments for %d leaves; not used", fun,
+                     len(info.arg_names), len(jax.tree_util.tree_leaves(dyn)))
+        return None
+    return info
+
+
+def _describe(rebuild: Any) -> None:
+    """Give ``rebuild`` (a step's wrapper from ``_split``) the user's function's debug info,
+    which JAX reads when it traces (``__fun_debug_info__``), once."""
+    describe = rebuild.__dict__.pop("describe", None)
+    if describe is not None:
+        info = describe()
+        if info is not None:
+            rebuild.__fun_debug_info__ = info
 
 
 def _leaf_key(x: Any) -> Any:

@@ -36,10 +36,10 @@ import jax
 from jaxmem import plan as plan_lib
 from jaxmem import targets as targets_lib
 from jaxmem import trace as trace_lib
-from jaxmem.config import Config, parse_bytes
+from jaxmem.config import Config, format_bytes, parse_bytes
 from jaxmem.errors import InfeasibleBudgetError
 from jaxmem.measure import Report, report
-from jaxmem.optimize import Optimized, effective_config, optimize, verify
+from jaxmem.optimize import Optimized, _NnxOptimized, effective_config, optimize, verify
 from jaxmem.optimize import _abstract as abstract_args
 from jaxmem.profile import planning_cost_model
 
@@ -51,7 +51,6 @@ OnError = Literal["raise", "record"]
 DEFAULT_FACTOR = 0.8
 DEFAULT_MIN_FRACTION = 0.05
 
-_MiB = float(1 << 20)
 
 _BAD_BUDGET = (
     "pareto(budgets=...) got {value!r}: give ints of bytes, size strings ('512MiB'), or floats "
@@ -169,6 +168,19 @@ def pareto(step: Callable[..., Any], *args: Any, budgets: Sequence[BudgetSpec] |
         raise ValueError(f"pareto(budgets={budgets!r}) takes a sequence of budgets; write "
                          f"budgets=[{budgets!r}]")
     opt = step if isinstance(step, Optimized) else optimize(step, config=config)
+    if isinstance(opt, _NnxOptimized):  # an nnx.jit step: swept on its arguments' state
+        return opt._on_state(
+            lambda _, *a, **k: _sweep_all(opt, a, k, budgets, config, planners, factor,
+                                          min_fraction, unplanned_bytes, on_error), args, kwargs)
+    return _sweep_all(opt, args, kwargs, budgets, config, planners, factor, min_fraction,
+                      unplanned_bytes, on_error)
+
+
+def _sweep_all(opt: Optimized, args: tuple[Any, ...], kwargs: dict[str, Any],
+               budgets: Sequence[BudgetSpec] | None, config: Config | None,
+               planners: Sequence[str] | None, factor: float, min_fraction: float,
+               unplanned_bytes: int | None, on_error: OnError) -> list[Point]:
+    """:func:`pareto` on a decorated step, its arguments checked."""
     base = config or opt.config
     names = list(planners) if planners else [base.planner]
     configs = {name: dataclasses.replace(base, planner=name) for name in names}  # validates names
@@ -234,10 +246,10 @@ def check_monotone(points: Sequence[Point]) -> list[Point]:
         p = out[i]
         if best is not None and p.budget_bytes < best.budget_bytes \
                 and p.compiled_bytes > best.compiled_bytes:
-            logger.warning("planner %s is not monotone: budget %.3f MiB compiled to %.3f MiB, but "
-                           "the higher budget %.3f MiB compiled to %.3f MiB", p.planner,
-                           p.budget_bytes / _MiB, p.compiled_bytes / _MiB,
-                           best.budget_bytes / _MiB, best.compiled_bytes / _MiB)
+            logger.warning("planner %s is not monotone: budget %s compiled to %s, but the "
+                           "higher budget %s compiled to %s", p.planner,
+                           format_bytes(p.budget_bytes), format_bytes(p.compiled_bytes),
+                           format_bytes(best.budget_bytes), format_bytes(best.compiled_bytes))
             out[i] = dataclasses.replace(p, monotone=False)
         if best is None or p.compiled_bytes < best.compiled_bytes:
             best = p
@@ -301,8 +313,8 @@ class _Sweep:
             compiled = jitted.lower(*self.abstract).compile(
                 compiler_options=self.target.compiler_options)
             rep = report(compiled, self.target, compile_time_s=time.perf_counter() - start)
-            logger.info("pareto(%s): unplanned step compiles to %.3f MiB device on %s",
-                        self.rebuild.__name__, rep.device_bytes / _MiB, self.target.name)
+            logger.info("pareto(%s): unplanned step compiles to %s device on %s",
+                        self.rebuild.__name__, format_bytes(rep.device_bytes), self.target.name)
             self._unplanned = (rep, jitted)
         return self._unplanned
 
@@ -371,11 +383,13 @@ class _Sweep:
             cost_model, cost_notes = self.cost_model(config.op_times)
             plan, jitted, compiled, rounds = verify(
                 self.graph, config, self.target, self.abstract, self.rebuild.donated,
-                counters, cost_model=cost_model, cost_notes=cost_notes)
+                counters, cost_model=cost_model, cost_notes=cost_notes,
+                arg_labels=self.rebuild.arg_labels)
             rep = report(compiled, self.target)
         except InfeasibleBudgetError as err:
-            logger.info("pareto: planner %s infeasible at %.3f MiB (best compiled %s)",
-                        config.planner, budget_bytes / _MiB, err.best_compiled_bytes)
+            logger.info("pareto: planner %s infeasible at %s (best compiled %s)",
+                        config.planner, format_bytes(budget_bytes),
+                        format_bytes(err.best_compiled_bytes))
             return Point(status="infeasible", compiled_bytes=err.best_compiled_bytes,
                          host_bytes=None, est_step_time_s=None,
                          solve_time_s=counters.get("planning_s"),
@@ -384,8 +398,8 @@ class _Sweep:
         except Exception as err:
             if self.on_error == "raise":
                 raise
-            logger.exception("pareto: planner %s failed at budget %.3f MiB", config.planner,
-                             budget_bytes / _MiB)
+            logger.exception("pareto: planner %s failed at budget %s", config.planner,
+                             format_bytes(budget_bytes))
             first = (str(err).strip().splitlines() or [""])[0][:400]
             return Point(status=f"error: {type(err).__name__}: {first}", compiled_bytes=None,
                          host_bytes=None, est_step_time_s=None, solve_time_s=None,
@@ -397,6 +411,7 @@ class _Sweep:
                       solve_time_s=counters.get("planning_s", 0.0),
                       elapsed_s=time.perf_counter() - start, rounds=len(rounds), plan=plan,
                       report=rep, step=jitted, **common)
-        logger.info("pareto: %s at %.3f MiB: %s, %.3f MiB device, est. %.4g s", config.planner,
-                    budget_bytes / _MiB, status, rep.device_bytes / _MiB, rep.est_step_time_s)
+        logger.info("pareto: %s at %s: %s, %s device, est. %.4g s", config.planner,
+                    format_bytes(budget_bytes), status, format_bytes(rep.device_bytes),
+                    rep.est_step_time_s)
         return point

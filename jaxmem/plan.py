@@ -22,7 +22,7 @@ It is plain frozen data, round-trips through JSON, and reads well in a terminal:
 >>> Plan.from_json(plan.to_json()) == plan
 True
 >>> print(plan.summary().splitlines()[0])
-Plan by greedy: status ok, solved in 0.000 s
+Plan by greedy: status ok (not compiled; simulated), solved in 0.000 s
 
 The schedule a plan implies (re-issues, copies and the device *versions* of
 each tensor they create) is built once by :func:`build_schedule`
@@ -39,12 +39,13 @@ import types
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from jaxmem.config import format_bytes
+
 Placement = Literal["device", "pinned_host"]
 PLACEMENTS: tuple[str, ...] = ("device", "pinned_host")
 STATUSES: tuple[str, ...] = ("ok", "over_budget", "infeasible", "timeout", "fallback")
 BOUND_UNITS: tuple[str, ...] = ("bytes", "s")
 
-_MiB = float(1 << 20)
 # Fields that are not decisions: kept out of JSON (and of equality).
 _NOT_IN_JSON = frozenset({"graph", "alternatives"})
 
@@ -105,6 +106,11 @@ class Plan:
         (or ``planned_policy()``), residual name -> ``"save"`` / ``"remat"`` /
         ``"offload"`` inside those blocks (:meth:`to_policy`); empty otherwise.
       notes: free-form lines the planner wants the user to see.
+      compiled_bytes: the device bytes of the plan compiled for its target
+        (temp + arguments + outputs - aliased, from XLA's memory analysis) when
+        the verify loop of :func:`jaxmem.optimize` compiled it; ``None`` for a
+        plan no compile has checked. The status of a verified plan is about
+        these bytes, not about ``predicted_peak_bytes``.
       graph: the ``MemGraph`` the plan was made for, when known (a plan from
         ``step.plan(*args)`` of ``@jaxmem.optimize`` carries it; one read from
         JSON does not). Not part of equality, ``repr`` or JSON.
@@ -132,6 +138,7 @@ class Plan:
     bound_unit: str = "bytes"
     block_decisions: Mapping[str, str] = dataclasses.field(default_factory=dict)
     host_update: tuple[int, ...] = ()
+    compiled_bytes: int | None = None
     graph: Any = dataclasses.field(default=None, compare=False, repr=False)
     alternatives: tuple["Plan", ...] = dataclasses.field(default=(), compare=False, repr=False)
 
@@ -151,6 +158,8 @@ class Plan:
             {str(k): str(v) for k, v in sorted((self.block_decisions or {}).items())}))
         set_("budget_bytes", int(self.budget_bytes))
         set_("predicted_peak_bytes", int(self.predicted_peak_bytes))
+        if self.compiled_bytes is not None:
+            set_("compiled_bytes", int(self.compiled_bytes))
         if self.bound_unit not in BOUND_UNITS:
             raise ValueError(f"plan bound_unit {self.bound_unit!r} is not one of {BOUND_UNITS}")
         if self.status not in STATUSES and not self.status.startswith("fallback"):
@@ -178,7 +187,7 @@ class Plan:
             "solve_time_s": self.solve_time_s, "lower_bound": self.lower_bound, "gap": self.gap,
             "notes": list(self.notes), "bound_unit": self.bound_unit,
             "block_decisions": dict(self.block_decisions),
-            "host_update": list(self.host_update),
+            "host_update": list(self.host_update), "compiled_bytes": self.compiled_bytes,
         }
 
     def to_json(self) -> str:
@@ -207,10 +216,12 @@ class Plan:
             data.setdefault("bound_unit", "bytes")  # plans written before these fields existed
             data.setdefault("block_decisions", {})
             data.setdefault("host_update", [])
+            data.setdefault("compiled_bytes", None)
         if not isinstance(data, dict) or set(data) != fields:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"not a jaxmem plan: expected a JSON object with keys {sorted(fields)}, "
                              f"got {got}")
+        _check_json_types(data)
         data["notes"] = tuple(data["notes"])
         return cls(**data)
 
@@ -279,16 +290,27 @@ class Plan:
           top: how many tensors to list per kind.
         """
         graph = self.graph if graph is None else graph
-        lines = [f"Plan by {self.planner}: status {self.status}, solved in {self.solve_time_s:.3f} s"]
-        share = (f" ({100.0 * self.predicted_peak_bytes / self.budget_bytes:.0f}% of budget)"
-                 if self.budget_bytes > 0 else "")
+        lines = [f"Plan by {self.planner}: status {self.status} ({self._status_basis()}), "
+                 f"solved in {self.solve_time_s:.3f} s"]
+
+        def share(n: int) -> str:
+            return (f" ({100.0 * n / self.budget_bytes:.0f}% of budget)"
+                    if self.budget_bytes > 0 else "")
+
         time = ("" if self.predicted_time_s is None
-                else f", predicted step time {1e3 * self.predicted_time_s:.3f} ms")
-        lines.append(f"  budget {self.budget_bytes / _MiB:,.1f} MiB, predicted peak "
-                     f"{self.predicted_peak_bytes / _MiB:,.1f} MiB{share}{time}")
+                else f", estimated step time {1e3 * self.predicted_time_s:.3f} ms")
+        compiled = ("" if self.compiled_bytes is None else
+                    f", compiled {format_bytes(self.compiled_bytes)}"
+                    f"{share(self.compiled_bytes)}")
+        over = ("" if self.predicted_peak_bytes <= self.budget_bytes or self.budget_bytes <= 0
+                else " -- over the budget" + ("" if self.compiled_bytes is None else
+                                              " in the simulation only"))
+        lines.append(f"  budget {format_bytes(self.budget_bytes)}{compiled}; simulated peak "
+                     f"{format_bytes(self.predicted_peak_bytes)}"
+                     f"{share(self.predicted_peak_bytes)}{time}{over}")
         if self.lower_bound is not None:
             gap = "" if self.gap is None else f" (gap {100.0 * self.gap:.1f}%)"
-            bound = (f"{self.lower_bound / _MiB:,.1f} MiB" if self.bound_unit == "bytes"
+            bound = (format_bytes(self.lower_bound) if self.bound_unit == "bytes"
                      else f"{1e3 * self.lower_bound:.3f} ms of the solver's step time")
             lines.append(f"  lower bound {bound}{gap}")
         moved = sum(1 for i, o in enumerate(self.order) if o != i)
@@ -298,7 +320,7 @@ class Plan:
         lines.append(f"  remat: {len(self.remat)} tensors, {recomputes} re-issues")
         lines.extend(self._listing(graph, self.remat, top, "re-issued before ops"))
         lines.append(f"  offload: {len(self.offload)} tensors"
-                     + (f", {self._bytes(graph, self.offload) / _MiB:,.1f} MiB to pinned host"
+                     + (f", {format_bytes(self._bytes(graph, self.offload))} to pinned host"
                         if graph is not None else ""))
         lines.extend(self._listing(graph, self.offload, top, "prefetched before op"))
         on_host = [t for t, where in self.placement.items() if where == "pinned_host"]
@@ -309,6 +331,14 @@ class Plan:
                          f"host{update}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    def _status_basis(self) -> str:
+        """What the status was judged on: the compiled bytes, or the simulator alone."""
+        if self.compiled_bytes is not None:
+            return "verified by compiling"
+        if self.status == "ok" and self.predicted_peak_bytes > self.budget_bytes > 0:
+            return "not compiled; the simulated peak is over the budget"
+        return "not compiled; simulated"
 
     @staticmethod
     def _bytes(graph: Any, tensors: Mapping[int, Any]) -> int:
@@ -322,11 +352,56 @@ class Plan:
         out = []
         for t in ranked[:top]:
             tensor = graph.tensors[t]
-            out.append(f"    t{t} {tensor.bytes / _MiB:,.1f} MiB {getattr(tensor, 'source', '')} "
+            out.append(f"    t{t} {format_bytes(tensor.bytes)} {getattr(tensor, 'source', '')} "
                        f"({what} {decisions[t]})")
         if len(ranked) > top:
             out.append(f"    ... and {len(ranked) - top} more")
         return out
+
+
+_INT = (int,)
+_NUMBER = (int, float)
+
+
+def _is(value: Any, kinds: tuple[type, ...]) -> bool:
+    return isinstance(value, kinds) and not isinstance(value, bool)
+
+
+def _check_json_types(data: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the first field of a JSON plan whose value has the wrong type."""
+    def ints(v: Any) -> bool:
+        return isinstance(v, list) and all(_is(x, _INT) for x in v)
+
+    def keyed(v: Any, ok: Any) -> bool:
+        return isinstance(v, dict) and all(
+            isinstance(k, str) and k.lstrip("-").isdigit() and ok(x) for k, x in v.items())
+
+    checks = {
+        "order": (ints, "a list of op ids"),
+        "remat": (lambda v: keyed(v, ints), "an object of tensor id -> list of op ids"),
+        "offload": (lambda v: keyed(v, lambda x: _is(x, _INT)), "an object of tensor id -> op id"),
+        "placement": (lambda v: keyed(v, lambda x: isinstance(x, str)),
+                      "an object of tensor id -> placement"),
+        "host_update": (ints, "a list of tensor ids"),
+        "planner": (lambda v: isinstance(v, str), "a string"),
+        "status": (lambda v: isinstance(v, str), "a string"),
+        "bound_unit": (lambda v: isinstance(v, str), "a string"),
+        "budget_bytes": (lambda v: _is(v, _INT), "an int"),
+        "compiled_bytes": (lambda v: v is None or _is(v, _INT), "an int or null"),
+        "predicted_peak_bytes": (lambda v: _is(v, _INT), "an int"),
+        "solve_time_s": (lambda v: _is(v, _NUMBER), "a number"),
+        "predicted_time_s": (lambda v: v is None or _is(v, _NUMBER), "a number or null"),
+        "lower_bound": (lambda v: v is None or _is(v, _NUMBER), "a number or null"),
+        "gap": (lambda v: v is None or _is(v, _NUMBER), "a number or null"),
+        "notes": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
+                  "a list of strings"),
+        "block_decisions": (lambda v: isinstance(v, dict) and all(
+            isinstance(x, str) for x in v.values()), "an object of name -> decision"),
+    }
+    for name, (ok, what) in checks.items():
+        if not ok(data[name]):
+            raise ValueError(f"not a jaxmem plan: {name!r} must be {what}, got "
+                             f"{json.dumps(data[name])[:80]}")
 
 
 def unplanned(graph: Any, planner: str = "none", budget_bytes: int = 0,

@@ -6,15 +6,13 @@ import functools
 import json
 import re
 
-import hypothesis
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxmem.models as zoo
-from bench.random_exactness import MODES, random_order, random_plan, random_program
+from bench.random_exactness import random_order, random_program
 from jaxmem import emit, hlo, simulate, targets
 from jaxmem import plan as plan_lib
 from jaxmem.costmodel import CostModel
@@ -78,7 +76,7 @@ def test_plan_round_trips_through_json_and_reads_in_a_terminal():
     assert again == plan and dict(again.offload) == dict(plan.offload)
     text = plan.summary(g)
     assert text.startswith("Plan by greedy")
-    assert "offload: " in text and "MiB to pinned host" in text
+    assert "offload: " in text and " to pinned host" in text
     with pytest.raises(ValueError, match="not a jaxmem plan"):
         plan_lib.Plan.from_json('{"order": []}')
     older = json.loads(plan.replace(lower_bound=1.0).to_json())
@@ -171,34 +169,6 @@ def test_ties_and_copies_leave_the_simplifiers_chains_alone(case, seed):
     assert g.ops[g.tensors[named].producer].primitive == primitive, "tensor ids moved"
     plan = plan_lib.unplanned(g).replace(**fields)
     assert _leaves_equal(jax.jit(step)(*args), jax.jit(emit.emit(g, plan))(*args))
-
-
-@hypothesis.settings(max_examples=12, deadline=None, derandomize=True)
-@hypothesis.given(
-    spec=st.lists(st.sampled_from(["matmul", "residual", "elementwise", "reduce", "reshape",
-                                   "broadcast", "max"]), min_size=2, max_size=7),
-    width=st.sampled_from([8, 16]), seed=st.integers(0, 2**16),
-    frac=st.floats(0.1, 1.0), mode=st.sampled_from(MODES))
-def test_random_programs_keep_their_arithmetic(spec, width, seed, frac, mode):
-    """trace -> plan -> emit on random programs gives the plain program's bits on the CPU.
-
-    Ties, re-issue inputs and host copies go where XLA's CPU simplifier does not
-    rewrite across them (see ``jaxmem.emit``). Measured 2026-11-22 (planners of
-    38c578f, this test's three modes, the same programs, plans and orders for
-    both emitters): the emitter before that fix differed on 2 of 250 random
-    programs without max reductions and 18 of 150 with them (up to 2.5 ulps of the
-    largest gradient), this one on none of them. One class still differs by a
-    few ulps, and these planners did not produce it in those 400 programs:
-    :func:`test_reissued_tanh_with_its_residual_add_is_not_bitwise_equal`.
-    """
-    step, args = random_program(spec, width, seed)
-    reference = jax.jit(step)(*args)
-    g = analyse(trace(step, *args), "cpu")
-    out = jax.jit(emit.emit(g, random_plan(g, mode, frac, seed)))(*args)
-    # Random compositions can overflow: NaN compares equal to NaN at the same place.
-    for x, y in zip(jax.tree_util.tree_leaves(reference), jax.tree_util.tree_leaves(out)):
-        assert np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True), \
-            f"{mode} plan of {spec} changed the bits"
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
