@@ -6,9 +6,12 @@ changes. Each function says what it needs and fails with a clear error.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import jax
+import numpy as np
 
 _NO_COST_ANALYSIS = (
     "XLA's HLO cost analysis is not reachable in this jax ({version}): "
@@ -64,3 +67,44 @@ def trace_context_state(name: str, help_text: str) -> Any:
     return jax_config.string_or_object_state(
         name=name, default=None, help=help_text, include_in_trace_context=True,
         include_in_jit_key=True)
+
+
+def is_prng_key(dtype: Any) -> bool:
+    """Whether ``dtype`` is a typed PRNG key dtype (``key<fry>``, ``key<rbg>``, ...)."""
+    try:
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+    except TypeError:
+        return False
+
+
+def is_extended(dtype: Any) -> bool:
+    """Whether ``dtype`` is a JAX extended dtype (PRNG keys among them), not a NumPy one."""
+    try:
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.extended))
+    except TypeError:
+        return False
+
+
+@functools.lru_cache(maxsize=64)
+def _key_physical(dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """Per key element, the shape and dtype of its physical data (``uint32[2]`` for threefry)."""
+    phys = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+    return tuple(phys.shape), np.dtype(phys.dtype)
+
+
+def itemsize(dtype: Any) -> int:
+    """Device bytes of one element of ``dtype``, extended dtypes included.
+
+    A PRNG key element is stored as its implementation's key data (two
+    ``uint32`` for threefry, four for ``rbg``); NumPy dtypes give their own
+    ``itemsize``. Other extended dtypes give their ``itemsize`` attribute (0
+    where they have none).
+    """
+    if is_prng_key(dtype):
+        shape, phys = _key_physical(dtype)
+        return math.prod(shape) * phys.itemsize
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:
+        return int(getattr(dtype, "itemsize", 0) or 0)
+

@@ -365,6 +365,23 @@ def _transparent(primitive: str) -> bool:
     return primitive in LAYOUT_PRIMITIVES or primitive in _ONE_OPERAND_ARITHMETIC
 
 
+@jax.jit
+def _call_parameter(x: Any) -> Any:
+    """``x`` unchanged, read as the parameter of a function call of its own.
+
+    The plain step computes some constants outside a ``jit``/``closed_call`` and
+    reads them inside (a cotangent's ones), or the other way round; XLA's early
+    simplification does not see through the call, and its call inliner removes the
+    call before the passes that follow (:attr:`jaxmem.trace.Program.hidden_constants`).
+    """
+    return jax.lax.copy_p.bind(x)
+
+
+def _literal_key(atom: Any) -> tuple[str, int]:
+    """The key of a checkpoint's literal input among a scope's barriered values."""
+    return ("literal", id(atom))
+
+
 def _barrier(values: list[Any]) -> list[Any]:
     return list(jax.lax.optimization_barrier(values)) if values else values
 
@@ -423,8 +440,12 @@ class _Interpreter:
         # Bytes of every value as the program computes it (the view sizes fused values 0).
         self.avals = _avals(program)
         self.nbytes = [_aval_bytes(a) for a in self.avals]
-        # Versions the events of each checkpoint scope read from outside it.
+        # Versions the events of each checkpoint scope read from outside it, and the
+        # literals its barrier takes (jaxmem.trace.Program.remat_literals).
         self.scope_inputs = self._scope_inputs()
+        self.scope_literals = dict(enumerate(getattr(program, "remat_literals", ()) or ()))
+        # Equation inputs that read a constant through a call parameter in the plain step.
+        self.hidden = frozenset(getattr(program, "hidden_constants", ()) or ())
         self.held = self._held_residuals(branches)
 
     @staticmethod
@@ -597,7 +618,7 @@ class _Interpreter:
         pending_host: list[int] = []      # offloaded tensors whose copy must finish before the next op
         offloaded: dict[int, list[int]] = {}  # offloaded tensor -> chain its prefetch recomputes
         pending_pins: list[int] = []      # versions to tie into the next op
-        scope_env: dict[int, dict[int, Any]] = {}
+        scope_env: dict[int, dict[Any, Any]] = {}
         last_real: int | None = None
         i = 0
         while i < len(events):
@@ -711,7 +732,10 @@ class _Interpreter:
             scope = self.scope_starts.get(j)
             if scope is not None:
                 ins = [v for v in self.scope_inputs[scope] if v in env]
-                scope_env[scope] = dict(zip(ins, _barrier([env[v] for v in ins])))
+                lits = self.scope_literals.get(scope, ())
+                values = _barrier([env[v] for v in ins] + [a.val for a in lits])
+                scope_env[scope] = dict(zip(ins, values))
+                scope_env[scope].update(zip(map(_literal_key, lits), values[len(ins):]))
             self._after_last_read(j, op_event, env)
             self._issue(op_event, env, scope_env.get(self.scopes[op_event.op]) if self.scopes else None)
             outs = [w for w in op_event.writes if w is not None and self._real(w)]
@@ -869,15 +893,19 @@ class _Interpreter:
         return frozenset(out)
 
     def _issue(self, ev: plan_lib.Event, env: dict[int, Any],
-               scope_env: dict[int, Any] | None = None) -> None:
+               scope_env: dict[Any, Any] | None = None) -> None:
         op = ev.op
         assert op is not None
         invals = []
         for slot, r in enumerate(ev.reads):
             if r is not None and scope_env is not None and r in scope_env:
                 invals.append(scope_env[r])
+            elif r is None and scope_env and _literal_key(self.eqns[op].invars[slot]) in scope_env:
+                invals.append(scope_env[_literal_key(self.eqns[op].invars[slot])])
             else:
                 invals.append(self._atom(op, slot, r, env))
+            if (op, slot) in self.hidden:
+                invals[-1] = _call_parameter(invals[-1])
         outs = bind_equation(self.eqns[op], invals)
         for w, value in zip(ev.writes, outs):
             if w is not None:

@@ -27,9 +27,9 @@ import math
 import logging
 from typing import Any, Callable, Mapping
 
-import numpy as np
 from jax.extend import core as jcore
 
+from jaxmem import _compat
 from jaxmem import materialize as mat
 from jaxmem import opcost
 from jaxmem import sharding as sharding_lib
@@ -160,10 +160,7 @@ class MemGraph:
 
 def _nbytes(aval: Any, sharding: Any = None) -> int:
     shape = tuple(getattr(aval, "shape", ()))
-    try:
-        itemsize = int(np.dtype(aval.dtype).itemsize)
-    except TypeError:  # extended dtypes (PRNG keys) know their own size
-        itemsize = int(getattr(aval.dtype, "itemsize", 0))
+    itemsize = _compat.itemsize(aval.dtype)  # a PRNG key counts its key data
     sharding = sharding if sharding is not None else getattr(aval, "sharding", None)
     if sharding is not None and getattr(sharding, "num_devices", 1) > 1:
         try:
@@ -321,14 +318,16 @@ def _scratch_bytes(eqn: Any, target: str) -> int:
 
     peak = 0
     for closed in bodies:
-        flat, scopes, barriers = flatten_with_barriers(closed)
+        flattened = flatten_with_barriers(closed)
+        flat = flattened.jaxpr
         n_in, eqns = len(flat.jaxpr.invars), flat.jaxpr.eqns
         body = Program(
             jaxpr=flat, phases=("forward",) * len(eqns), in_roles=("other",) * n_in,
             donated=(False,) * n_in, in_tree=tree_structure([0] * n_in),
             out_tree=tree_structure([0] * len(flat.jaxpr.outvars)), in_shardings=(None,) * n_in,
-            sources=tuple(describe_source(e.source_info) for e in eqns), remat_scopes=scopes,
-            remat_barriers=barriers)
+            sources=tuple(describe_source(e.source_info) for e in eqns),
+            remat_scopes=flattened.scopes, remat_barriers=flattened.barriers,
+            remat_literals=flattened.literals, hidden_constants=flattened.hidden)
         g = analyse(body, target)
         outside = {t.id: 0 for t in g.tensors if t.producer is None}
         steps = steps_for_order(g, accounting="liveness")

@@ -46,6 +46,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from jax.extend import core as jcore
 
+from jaxmem import _compat
+
 # Elementwise arithmetic: fused into consumers.
 ELEMENTWISE = frozenset({
     "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh",
@@ -335,10 +337,9 @@ def _tensor_bytes(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], n: int) -> list[in
         v for e in jaxpr.eqns for v in e.outvars]
     for v in atoms:
         if _is_var(v) and v in ids:
-            try:
-                out[ids[v]] = math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
-            except (TypeError, AttributeError):
-                pass  # tokens, key arrays: never a fused sum
+            dtype = getattr(v.aval, "dtype", None)
+            if dtype is not None:  # tokens have none; a PRNG key counts its key data
+                out[ids[v]] = math.prod(v.aval.shape) * _compat.itemsize(dtype)
     return out
 
 

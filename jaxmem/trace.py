@@ -26,7 +26,7 @@ import functools
 import logging
 import os
 import sysconfig
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import jax
 from jax.extend import core as jcore
@@ -47,6 +47,8 @@ INLINED_PRIMITIVES = frozenset({
 # Control flow that stays one equation; the graph analyses its bodies.
 CONTROL_FLOW_PRIMITIVES = frozenset({"scan", "while", "cond"})
 REMAT_PRIMITIVES = frozenset({"remat", "remat2", "checkpoint"})
+# Calls JAX lowers to a function of their own (``func.call``); the others are lowered inline.
+CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call"})
 # Constructs the analysis cannot model faithfully: refused with a clear error.
 REFUSED_PRIMITIVES: dict[str, str] = {
     "io_callback": "host callbacks have side effects that cannot be reordered or recomputed",
@@ -96,6 +98,16 @@ class Program:
       remat_barriers: per remat scope, the flat variables XLA passes through an
         ``optimization_barrier`` when it lowers that checkpoint (its inputs, when
         the checkpoint is differentiated with ``prevent_cse``).
+      remat_literals: per remat scope, the literal inputs XLA passes through that
+        barrier (a cotangent's ``1.0``); the scope's equations read these very
+        ``Literal`` objects, which appear nowhere else.
+      hidden_constants: ``(equation, input)`` pairs where the equation reads a
+        constant (a literal, a closure constant, or a value computed from them only)
+        that the traced step passes into or out of a ``jit``/``closed_call``. JAX
+        lowers such calls to functions of their own, where the value is a parameter
+        XLA's early (MLIR) simplification cannot see through: a constant loop
+        operand, once visible, is moved into the loop body and folded there, and the
+        loop then rounds differently. The emitter keeps these reads opaque.
       remat_policies: the distinct policies of the step's ``jax.checkpoint`` calls,
         at any depth (scan bodies included), in the order first met.
       modules: per equation, the Flax (or ``jax.named_scope``) module path it was
@@ -113,6 +125,8 @@ class Program:
     remat_scopes: tuple[int | None, ...] = ()
     in_paths: tuple[str, ...] = ()
     remat_barriers: tuple[tuple[Any, ...], ...] = ()
+    remat_literals: tuple[tuple[Any, ...], ...] = ()
+    hidden_constants: tuple[tuple[int, int], ...] = ()
     remat_policies: tuple[Any, ...] = ()
     modules: tuple[str, ...] = ()
 
@@ -190,20 +204,40 @@ class _Flattener:
     consts: list[Any] = dataclasses.field(default_factory=list)
     n_remat: int = 0
     barriers: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+    literals: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+    # Flat variables computed from literals and constants only, and the (equation,
+    # input) pairs that read such a value across a call boundary.
+    constant: set[Any] = dataclasses.field(default_factory=set)
+    hidden: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    def _is_constant(self, atom: Any) -> bool:
+        return isinstance(atom, jcore.Literal) or atom in self.constant
 
     def run(self, jaxpr: jcore.Jaxpr, env: dict[Any, Any], name_stack: Any,
-            scope: int | None, fresh: bool) -> None:
+            scope: int | None, fresh: bool, hidden: frozenset[Any] = frozenset()) -> None:
+        """Splice ``jaxpr``'s equations; ``hidden``: its variables that hold a constant the
+        plain step passes across a call boundary (see :attr:`Program.hidden_constants`)."""
+        hidden = set(hidden)
         for eqn in jaxpr.eqns:
             invars = [_read(env, v) for v in eqn.invars]
             body = _call_body(eqn)
             if body is not None:
                 inner, inner_consts = body
                 inner_env: dict[Any, Any] = {}
+                call = eqn.primitive.name in CALL_PRIMITIVES
                 for v, c in zip(inner.constvars, inner_consts):
                     new = jcore.Var(v.aval)
                     self.constvars.append(new)
                     self.consts.append(c)
+                    self.constant.add(new)
                     inner_env[v] = new
+                # A called function reads its arguments (its constants among them) as
+                # parameters: what is constant outside is opaque inside.
+                inner_hidden = {v for v, a in zip(inner.invars, eqn.invars)
+                                if (call and self._is_constant(_read(env, a)))
+                                or (isinstance(a, jcore.Var) and a in hidden)}
+                if call:
+                    inner_hidden.update(inner.constvars)
                 if len(inner.invars) != len(invars):
                     raise UnsupportedConstructError(_UNSUPPORTED.format(
                         prim=eqn.primitive.name, where=describe_source(eqn.source_info),
@@ -215,11 +249,21 @@ class _Flattener:
                     inner_scope = self.n_remat
                     self.n_remat += 1
                     self.barriers.append(_barrier_inputs(eqn, invars))
+                    # A literal input goes through the barrier too (a cotangent's 1.0):
+                    # the body reads a copy of its own, which the emitter passes through
+                    # that barrier, so XLA cannot fold the constant into the recomputation.
+                    fresh_literals = _barrier_literals(eqn, invars)
+                    self.literals.append(tuple(fresh_literals.values()))
+                    inner_env.update((v, fresh_literals.get(i, inner_env[v]))
+                                     for i, v in enumerate(inner.invars))
                 self.run(inner, inner_env, name_stack + eqn.source_info.name_stack,
-                         inner_scope, fresh=True)
+                         inner_scope, fresh=True, hidden=frozenset(inner_hidden))
                 for outer, inner_out in zip(eqn.outvars, inner.outvars):
                     if not isinstance(outer, jcore.DropVar):
                         env[outer] = _read(inner_env, inner_out)
+                        if (call and self._is_constant(env[outer])) or (
+                                isinstance(inner_out, jcore.Var) and inner_out in inner_hidden):
+                            hidden.add(outer)  # the caller reads the call's result
                 continue
             if fresh:
                 outvars = [jcore.DropVar(v.aval) if isinstance(v, jcore.DropVar)
@@ -230,6 +274,10 @@ class _Flattener:
                 if not isinstance(old, jcore.DropVar):
                     env[old] = new
             info = eqn.source_info.replace(name_stack=name_stack + eqn.source_info.name_stack)
+            self.hidden.extend((len(self.eqns), i) for i, v in enumerate(eqn.invars)
+                               if isinstance(v, jcore.Var) and v in hidden)
+            if not eqn.effects and all(self._is_constant(a) for a in invars):
+                self.constant.update(v for v in outvars if not isinstance(v, jcore.DropVar))
             self.eqns.append(jcore.new_jaxpr_eqn(
                 invars, outvars, eqn.primitive, eqn.params, eqn.effects, info, eqn.ctx))
             self.scopes.append(scope)
@@ -247,6 +295,16 @@ def _barrier_inputs(eqn: jcore.JaxprEqn, invars: list[Any]) -> tuple[Any, ...]:
     prevent = eqn.params.get("prevent_cse", True)
     flags = prevent if isinstance(prevent, tuple) else (bool(prevent),) * len(invars)
     return tuple(v for v, f in zip(invars, flags) if f and isinstance(v, jcore.Var))
+
+
+def _barrier_literals(eqn: jcore.JaxprEqn, invars: list[Any]) -> dict[int, jcore.Literal]:
+    """Input position -> a fresh copy of each literal input XLA passes through the barrier."""
+    if not eqn.params.get("differentiated", False):
+        return {}
+    prevent = eqn.params.get("prevent_cse", True)
+    flags = prevent if isinstance(prevent, tuple) else (bool(prevent),) * len(invars)
+    return {i: jcore.Literal(v.val, v.aval) for i, (v, f) in enumerate(zip(invars, flags))
+            if f and isinstance(v, jcore.Literal)}
 
 
 def _read(env: dict[Any, Any], atom: Any) -> Any:
@@ -288,22 +346,34 @@ def check_supported(jaxpr: jcore.Jaxpr) -> None:
 
 def flatten(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, tuple[int | None, ...]]:
     """Inline every call in ``closed``; returns the flat jaxpr and each equation's remat scope."""
-    flat, scopes, _ = flatten_with_barriers(closed)
-    return flat, scopes
+    flat = flatten_with_barriers(closed)
+    return flat.jaxpr, flat.scopes
 
 
-def flatten_with_barriers(closed: jcore.ClosedJaxpr) -> tuple[
-        jcore.ClosedJaxpr, tuple[int | None, ...], tuple[tuple[Any, ...], ...]]:
-    """:func:`flatten`, plus per remat scope the flat variables XLA puts through a barrier."""
+class Flattened(NamedTuple):
+    """A flat jaxpr and what inlining its calls removed (see :class:`Program`)."""
+
+    jaxpr: jcore.ClosedJaxpr
+    scopes: tuple[int | None, ...]
+    barriers: tuple[tuple[Any, ...], ...]
+    literals: tuple[tuple[jcore.Literal, ...], ...]
+    hidden: tuple[tuple[int, int], ...]
+
+
+def flatten_with_barriers(closed: jcore.ClosedJaxpr) -> Flattened:
+    """:func:`flatten`, plus per remat scope the flat variables and literals XLA puts through
+    a barrier, and the reads of constants across call boundaries."""
     jaxpr = closed.jaxpr
     flat = _Flattener(constvars=list(jaxpr.constvars), consts=list(closed.consts))
+    flat.constant.update(jaxpr.constvars)
     env: dict[Any, Any] = {}
     flat.run(jaxpr, env, source_info_util.new_name_stack(), None, fresh=False)
     outvars = [_read(env, v) for v in jaxpr.outvars]
     effects = frozenset().union(*(e.effects for e in flat.eqns)) if flat.eqns else frozenset()
     new = jcore.Jaxpr(flat.constvars, jaxpr.invars, outvars, flat.eqns, effects,
                       jaxpr.debug_info)
-    return jcore.ClosedJaxpr(new, flat.consts), tuple(flat.scopes), tuple(flat.barriers)
+    return Flattened(jcore.ClosedJaxpr(new, flat.consts), tuple(flat.scopes),
+                     tuple(flat.barriers), tuple(flat.literals), tuple(flat.hidden))
 
 
 ### Phases and roles
@@ -492,7 +562,8 @@ def trace(fn: Callable[..., Any], *args: Any, static_argnums: Sequence[int] | in
     traced = jax.jit(fn, static_argnums=static, donate_argnums=donate).trace(
         *on_device, **jax.tree_util.tree_map(_in_device_memory, kwargs))
     check_supported(traced.jaxpr.jaxpr)
-    flat, scopes, barriers = flatten_with_barriers(traced.jaxpr)
+    flattened = flatten_with_barriers(traced.jaxpr)
+    flat = flattened.jaxpr
 
     dyn_args = [a for i, a in enumerate(args) if i not in static_set]
     dyn_roles = None
@@ -520,7 +591,9 @@ def trace(fn: Callable[..., Any], *args: Any, static_argnums: Sequence[int] | in
     program = Program(
         jaxpr=flat, phases=tag_phases(eqns), in_roles=tuple(roles), donated=donated,
         in_tree=traced.in_tree, out_tree=traced.out_tree, in_shardings=shardings,
-        sources=sources, remat_scopes=scopes, in_paths=paths, remat_barriers=barriers,
+        sources=sources, remat_scopes=flattened.scopes, in_paths=paths,
+        remat_barriers=flattened.barriers, remat_literals=flattened.literals,
+        hidden_constants=flattened.hidden,
         remat_policies=remat_policies(traced.jaxpr.jaxpr),
         modules=tuple(module_path(e.source_info.name_stack) for e in eqns))
     logger.debug("traced %s: %d equations, %d inputs (%d donated)",

@@ -15,7 +15,10 @@ and outputs as tensor ids, and the buffers each op really reads.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
+
+from jaxmem import _compat
 
 # Primitives never re-issued: collectives and stateful / effectful operations
 # (recomputing them changes results or communicates twice).
@@ -69,7 +72,8 @@ class View:
       primitives: per op, its primitive's name.
       buffer_reads: per op, the materialized tensors it really reads (a fused
         input stands for the buffers it is computed from).
-      itemsize: per tensor, the bytes of one element (0 for constants).
+      itemsize: per tensor, the bytes of one element (a PRNG key's: its key data's; 0
+        for constants).
       extra_bytes: per tensor, the bytes XLA keeps beside its buffer
         (``Tensor.extra_bytes``: a max-pool gradient's companions); empty
         for a bare ``Program``.
@@ -127,7 +131,6 @@ def view(graph_or_program: Any) -> View:
 
 
 def _build_view(obj: Any) -> View:
-    import numpy as np
     from jax.extend import core as jcore
 
     graph = obj if hasattr(obj, "tensors") else None
@@ -135,8 +138,7 @@ def _build_view(obj: Any) -> View:
     jaxpr = program.jaxpr.jaxpr
     ids: dict[Any, int] = {v: i for i, v in enumerate(jaxpr.invars)}
     consts = set(jaxpr.constvars)
-    nbytes = [int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
-              for v in jaxpr.invars]
+    nbytes = [_nbytes(v.aval) for v in jaxpr.invars]
     itemsize = [_itemsize(v.aval) for v in jaxpr.invars]
     producer: list[int | None] = [None] * len(jaxpr.invars)
     in_slots, out_slots, reissuable = [], [], []
@@ -150,10 +152,8 @@ def _build_view(obj: Any) -> View:
                 continue
             ids[v] = len(nbytes)
             outs.append(len(nbytes))
-            aval = v.aval
-            size = int(np.prod(getattr(aval, "shape", ()), dtype=np.int64))
-            nbytes.append(size * np.dtype(aval.dtype).itemsize if hasattr(aval, "dtype") else 0)
-            itemsize.append(_itemsize(aval))
+            nbytes.append(_nbytes(v.aval))
+            itemsize.append(_itemsize(v.aval))
             producer.append(k)
         out_slots.append(tuple(outs))
         reissuable.append(not eqn.effects and eqn.primitive.name not in NEVER_REISSUED)
@@ -258,12 +258,14 @@ def _movable_copies(graph: Any, jaxpr: Any) -> list[int]:
 
 
 def _itemsize(aval: Any) -> int:
-    import numpy as np
+    """Bytes of one element; a PRNG key's are those of its key data (0 without a dtype)."""
+    dtype = getattr(aval, "dtype", None)
+    return 0 if dtype is None else _compat.itemsize(dtype)
 
-    try:
-        return int(np.dtype(aval.dtype).itemsize)
-    except (AttributeError, TypeError):  # no dtype, or an extended one (PRNG keys)
-        return 0
+
+def _nbytes(aval: Any) -> int:
+    """Device bytes of an abstract value (a PRNG key array as its key data)."""
+    return math.prod(getattr(aval, "shape", ())) * _itemsize(aval)
 
 
 # Ops that carry a layer's gradient down the backward chain (and, off it, a weight gradient).
