@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
 Kind = Literal["planner", "peer"]
 
@@ -17,7 +17,8 @@ class Entry:
       name: what users type (``"cpsat"``, ``"full"``, ...).
       kind: ``"planner"`` (plans any traced step) or ``"peer"`` (a stock
         policy the zoo applies per block; see ``jaxmem.models.POLICIES``).
-      fn: the planner function; ``None`` for peers.
+      fn: the planner function, under the rules every planner obeys (see
+        :func:`register`); ``None`` for peers.
       doc: one line for listings.
     """
 
@@ -63,8 +64,20 @@ _PEERS = {
 _PLANNER_MODULES: dict[str, str] = {}
 
 
-def register(name: str, fn: Callable[..., Any], doc: str = "", kind: Kind = "planner") -> None:
-    """Register a planner function under ``name`` (re-registering replaces it)."""
+def register(name: str, fn: Callable[..., Any], doc: str = "", kind: Kind = "planner",
+             check: Callable[[Mapping[str, Any] | None], Any] | None = None) -> None:
+    """Register a planner function under ``name`` (re-registering replaces it).
+
+    The entry's ``fn`` is ``fn`` under the rules every planner obeys
+    (:mod:`jaxmem.planners._principles`): a step that fits the budget as written is
+    returned unplanned, and no plan re-issues or copies a value XLA folds at compile
+    time; ``fn`` itself is its ``__wrapped__``. ``check(options)`` raises for options
+    the planner refuses, before the step is found to fit (``None``: it takes any).
+    """
+    if kind == "planner" and fn is not None:
+        from jaxmem.planners._principles import principled
+
+        fn = principled(name, fn, check)
     _ENTRIES[name] = Entry(name=name, kind=kind, fn=fn, doc=doc)
 
 

@@ -49,6 +49,7 @@ recomputes nothing and its notes say why. ``cpsat`` uses it as a warm start.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from typing import Any, Mapping, Sequence
@@ -169,4 +170,5 @@ def _kept(graph: MemGraph, res: Residuals, cost_model: CostModel, forward: list[
     return frozenset(keep)
 
 
-register(NAME, blocks, "keep each repeated block's input, recompute the block (per-layer remat)")
+register(NAME, blocks, "keep each repeated block's input, recompute the block (per-layer remat)",
+         check=functools.partial(check_options, NAME, defaults=_DEFAULTS, does=("remat",)))

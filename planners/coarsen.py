@@ -44,6 +44,7 @@ from typing import Any, Sequence
 from jaxmem import materialize as mat
 from jaxmem import plan as plan_lib
 from jaxmem.planners._cpsat_problem import Item, Node, Problem, Schedule
+from jaxmem.planners._principles import constant_tensors
 
 # Readers that keep XLA's fusion unchanged however a re-issue splits them (see
 # jaxmem.plan.remat_keeps_fusion): re-issuing a fusible producer is safe only then.
@@ -198,6 +199,7 @@ def coarsen(graph: Any, budget_bytes: int, cost_model: Any, *, max_nodes: int = 
     donated = graph.program.donated
     keep.update(t for t in graph.inputs if t >= len(donated) or not donated[t])
     keep.update(t.id for t in tensors if t.producer is None and t.id not in graph.inputs)
+    constant = constant_tensors(graph)  # XLA folds these: never re-issued or copied
     readers: dict[int, set[int]] = {}
     for op in ops:
         for t in op.mem_inputs:
@@ -237,7 +239,8 @@ def coarsen(graph: Any, budget_bytes: int, cost_model: Any, *, max_nodes: int = 
         consumers = tuple(sorted(readers.get(t, set()) - {home}))
         output = t in keep
         big = tensor.bytes >= max(1, min_decision_bytes)
-        can_remat = allow_remat and big and not output and tensor.producer is not None
+        can_remat = (allow_remat and big and not output and tensor.producer is not None
+                     and t not in constant)
         chain, rin, rc, rws = [t], set(), 0.0, 0
         if can_remat:
             chain, rin, can_remat = _chain(graph, t, item_of, set(internal.get(home, ())), keep)
@@ -245,7 +248,7 @@ def coarsen(graph: Any, budget_bytes: int, cost_model: Any, *, max_nodes: int = 
             rws = sum(tensors[u].bytes for u in chain if u != t) + max(
                 ops[tensors[u].producer].transient_bytes for u in chain)
         can_offload = (allow_offload and big and not output and tensor.producer is not None
-                       and bool(consumers) and tensor.bytes > 0
+                       and bool(consumers) and tensor.bytes > 0 and t not in constant
                        and plan_lib.copy_keeps_fusion(graph, t))
         items.append(Item(
             size=units(tensor.bytes), producer=home, consumers=consumers, output=output,

@@ -12,7 +12,11 @@ reader (offload; costs the copies at the link's bandwidth each way).
 Each round simulates the plan (:func:`jaxmem.plan.simulate_plan`), takes the
 candidates alive at the peak, ranks them by bytes freed per second of extra
 work, and splits the best ones until the bytes they free cover the excess.
-A round that makes the peak worse is undone and its candidates set aside.
+A round that neither lowers the peak nor frees one of the steps that reach it
+is undone and its candidates set aside; when no round helps any more, splits
+whose removal leaves the peak as it is are dropped, latest first (a split that
+saves nothing still costs time and changes what XLA compiles). Values computed
+from constants only are never split (XLA folds them; :mod:`jaxmem.planners._principles`).
 The order of operations is never changed (greedy does not reorder, whatever
 ``allow_reorder`` says). With ``allow_state_offload``, a plan still over
 budget then places optimizer state (then parameters) in pinned host memory,
@@ -39,6 +43,7 @@ from typing import Any, Mapping
 
 from jaxmem import placement as placement_lib
 from jaxmem import plan as plan_lib
+from jaxmem.planners._principles import constant_tensors
 from jaxmem.planners._registry import register
 
 logger = logging.getLogger(__name__)
@@ -77,6 +82,7 @@ class Candidate:
 def candidates(graph: Any, cost_model: Any) -> list[Candidate]:
     """Every materialized forward buffer with an idle stretch of at least ``MIN_GAP_OPS`` ops."""
     view = plan_lib.view(graph)  # the emitter's picture of which values are buffers
+    constant = constant_tensors(graph)
     readers: dict[int, list[int]] = {}
     for op in graph.ops:  # jaxpr order: readers come out sorted
         for t in op.mem_inputs:
@@ -87,6 +93,8 @@ def candidates(graph: Any, cost_model: Any) -> list[Candidate]:
         if (t.producer is None or not t.materialized or not view.materialized[t.id]
                 or t.bytes <= 0 or t.id in outputs):
             continue  # a buffer in the graph's model and in the emitter's
+        if t.id in constant:
+            continue  # XLA folds it at compile time (jaxmem.planners._principles)
         if graph.ops[t.producer].phase != "forward":
             # Gradients and updates are left alone: an extra reader (a host copy, a
             # re-issue) stops XLA's simplifier from folding them into their readers
@@ -163,6 +171,34 @@ class _Decisions:
                              predicted_time_s=None, status=status, **fields)
 
 
+def _height(sim: Any) -> tuple[int, int]:
+    """The peak and how many steps reach it: a split that frees one of them is progress."""
+    return sim.peak_bytes, sum(b == sim.peak_bytes for b in sim.live_bytes)
+
+
+def _without_needless(graph: Any, decisions: _Decisions, sim: Any, budget_bytes: int,
+                      deadline: float | None) -> tuple[_Decisions, Any, bool]:
+    """``decisions`` without the splits whose removal leaves the simulated peak as it is.
+
+    A split kept for freeing one of several steps at the peak, or made before a later
+    one moved the peak, may save nothing in the end; it would still cost its time and
+    change how XLA compiles the step. Tried one at a time, the latest first; the
+    third value is False when ``deadline`` (a ``time.perf_counter()`` value) stopped it.
+    """
+    made = [("remat", t) for t in decisions.remat] + [("offload", t) for t in decisions.offload]
+    for kind, t in reversed(made):
+        if deadline is not None and time.perf_counter() > deadline:
+            logger.info("greedy: time limit reached while dropping needless splits")
+            return decisions, sim, False
+        trial = decisions.copy()
+        del (trial.remat if kind == "remat" else trial.offload)[t]
+        new = plan_lib.simulate_plan(graph, trial.plan(budget_bytes))
+        if new.peak_bytes <= sim.peak_bytes:
+            logger.debug("greedy: the %s of t%d saves nothing at the peak; dropped", kind, t)
+            decisions, sim = trial, new
+    return decisions, sim, True
+
+
 def _step_time_s(graph: Any, cost_model: Any, decisions: _Decisions,
                  by_tensor: Mapping[int, Candidate]) -> float:
     base = sum(cost_model.graph_op_time_s(graph, op.id, "float32") for op in graph.ops)
@@ -233,7 +269,7 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
         if not picked:
             break
         new = plan_lib.simulate_plan(graph, trial.plan(budget_bytes))
-        if new.peak_bytes >= sim.peak_bytes:
+        if _height(new) >= _height(sim):
             # The batch moved the peak elsewhere without lowering it (or raised it):
             # keep only its best candidate and set the rest aside for later rounds.
             best, action = picked[0]
@@ -241,19 +277,23 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
             trial = decisions.copy()
             (trial.add_remat if action == "remat" else trial.add_offload)(best)
             new = plan_lib.simulate_plan(graph, trial.plan(budget_bytes))
-            if new.peak_bytes > sim.peak_bytes:
-                logger.debug("greedy: splitting t%d raised the peak to %d; set aside",
+            if _height(new) >= _height(sim):
+                # Not even one step at the peak freed: the split buys nothing.
+                logger.debug("greedy: splitting t%d left the peak at %d; set aside",
                              best.tensor, new.peak_bytes)
                 rejected.add(best.tensor)
                 continue
         decisions, sim = trial, new
+    deadline = None if time_limit_s is None else start + time_limit_s
+    decisions, sim, pruned = _without_needless(graph, decisions, sim, budget_bytes, deadline)
     placed: dict[int, str] = {}
     if options.get("allow_state_offload", False) and sim.peak_bytes > budget_bytes:
         host_used = plan_lib.build_schedule(graph, decisions.plan(budget_bytes)).host_peak_bytes()
-        deadline = None if time_limit_s is None else start + time_limit_s
         placed, sim = place_state(graph, decisions.plan(budget_bytes), budget_bytes,
                                   host_budget - host_used, deadline)
     notes = [f"{rounds} rounds; greedy keeps program order"]
+    if not pruned:
+        notes.append("time limit reached while dropping splits that save nothing at the peak")
     host_update: tuple[int, ...] = ()
     if placed:
         host_update = placement_lib.choose_host_update(graph, cost_model, list(placed))

@@ -43,6 +43,7 @@ decides their status), like ``chen``'s. Options:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Mapping
@@ -237,8 +238,13 @@ def makes_matmul(graph: MemGraph, tensor: int, batched: bool = True) -> bool:
 
 
 register(NAME, keep_matmuls, "keep matmul/conv outputs, recompute the rest (dots_saveable on "
-         "the flat graph)")
+         "the flat graph)", check=functools.partial(check_options, NAME, defaults={"bitwise": True},
+                                                    does=("remat",)))
 register(FIT, keep_matmuls_fit, "keep the matmul outputs the budget allows, recompute the "
-         "rest (the cheapest per byte dropped first)")
+         "rest (the cheapest per byte dropped first)",
+         check=functools.partial(check_options, FIT, defaults={"bitwise": True, "time_limit_s": None},
+                                 does=("remat",)))
 register(NO_BATCH, keep_matmuls_no_batch, "keep matmuls without batch dims and convs, recompute "
-         "the rest (dots_with_no_batch_dims_saveable on the flat graph)")
+         "the rest (dots_with_no_batch_dims_saveable on the flat graph)",
+         check=functools.partial(check_options, NO_BATCH, defaults={"bitwise": True},
+                                 does=("remat",)))

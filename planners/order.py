@@ -41,6 +41,7 @@ long as the simulated peak drops.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -545,6 +546,8 @@ def _reuse(m: Any, prob: OrderProblem, o: int, x: list[dict[int, Any]], done: An
 _DEFAULTS: dict[str, Any] = {"time_limit_s": 10.0, "workers": 1, "seed": 0,
                              "max_size": 400_000, "window": 8, "fine_tune_s": 5.0,
                              "min_gain": 0.01}
+_BFS_DEFAULTS: dict[str, Any] = {"fine_tune_s": 5.0, "min_gain": 0.01}
+_DFS_DEFAULTS: dict[str, Any] = {"window": 8, "fine_tune_s": 5.0, "min_gain": 0.01}
 
 
 def _worth_it(prob: OrderProblem, order: Sequence[int], min_gain: float
@@ -593,8 +596,7 @@ def order_bfs(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     ``min_gain`` (the least relative peak saving worth moving ops for, default 1%).
     """
     started = time.perf_counter()
-    opts = check_options("order_bfs", options, {"fine_tune_s": 5.0, "min_gain": 0.01},
-                         does=("reorder",))
+    opts = check_options("order_bfs", options, _BFS_DEFAULTS, does=("reorder",))
     return _list_planner("order_bfs", graph, budget_bytes, cost_model, opts, started)
 
 
@@ -606,8 +608,7 @@ def order_dfs(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     ``min_gain`` (the least relative peak saving worth moving ops for, default 1%).
     """
     started = time.perf_counter()
-    opts = check_options("order_dfs", options,
-                         {"window": 8, "fine_tune_s": 5.0, "min_gain": 0.01}, does=("reorder",))
+    opts = check_options("order_dfs", options, _DFS_DEFAULTS, does=("reorder",))
     return _list_planner("order_dfs", graph, budget_bytes, cost_model, opts, started)
 
 
@@ -673,6 +674,11 @@ def order_ilp(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
                   lower_bound=bound, notes=notes, log=logger)
 
 
-register("order_ilp", order_ilp, "peak-minimizing op order by ILP (BFS/DFS fallback)")
-register("order_bfs", order_bfs, "lifetime-aware BFS list schedule + fine-tuning")
-register("order_dfs", order_dfs, "memory-aware DFS window schedule + fine-tuning")
+register("order_ilp", order_ilp, "peak-minimizing op order by ILP (BFS/DFS fallback)",
+         check=functools.partial(check_options, "order_ilp", defaults=_DEFAULTS, does=("reorder",)))
+register("order_bfs", order_bfs, "lifetime-aware BFS list schedule + fine-tuning",
+         check=functools.partial(check_options, "order_bfs", defaults=_BFS_DEFAULTS,
+                                 does=("reorder",)))
+register("order_dfs", order_dfs, "memory-aware DFS window schedule + fine-tuning",
+         check=functools.partial(check_options, "order_dfs", defaults=_DFS_DEFAULTS,
+                                 does=("reorder",)))

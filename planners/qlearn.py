@@ -45,6 +45,7 @@ can show the convergence.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 import statistics
@@ -288,4 +289,5 @@ def episode_rewards(plan: plan_lib.Plan) -> tuple[float, ...]:
                      f"record them")
 
 
-register("qlearn", qlearn, "swap plan by tabular Q-learning over layer types")
+register("qlearn", qlearn, "swap plan by tabular Q-learning over layer types",
+         check=functools.partial(check_options, "qlearn", defaults=_DEFAULTS, does=("offload",)))

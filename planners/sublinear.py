@@ -55,6 +55,7 @@ other literature planners (:mod:`jaxmem.planners.vdnn`, ``qlearn``) too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -635,5 +636,8 @@ def chen(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
                   order=res.order, remat=remat, notes=notes)
 
 
-register("sublinear", sublinear, "checkpoints by threshold search over allocator simulations")
-register("chen", chen, "Chen et al.'s sqrt(N) segment checkpointing")
+register("sublinear", sublinear, "checkpoints by threshold search over allocator simulations",
+         check=functools.partial(check_options, "sublinear", defaults=_SUBLINEAR_DEFAULTS,
+                                 does=("remat",)))
+register("chen", chen, "Chen et al.'s sqrt(N) segment checkpointing",
+         check=functools.partial(check_options, "chen", defaults=_CHEN_DEFAULTS, does=("remat",)))

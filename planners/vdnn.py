@@ -35,6 +35,7 @@ before the first backward op).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Iterable, Literal, Mapping
@@ -208,7 +209,12 @@ def vdnn_dynamic(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
                   order=res.order, remat=remat, offload=offload, notes=trail, log=logger)
 
 
-register("vdnn_all", vdnn_all, "vDNN: offload every residual, prefetch one layer ahead")
-register("vdnn_conv", vdnn_conv, "vDNN: offload convolution inputs, prefetch one layer ahead")
+register("vdnn_all", vdnn_all, "vDNN: offload every residual, prefetch one layer ahead",
+         check=functools.partial(check_options, "vdnn_all", defaults=_DEFAULTS, does=("offload",)))
+register("vdnn_conv", vdnn_conv, "vDNN: offload convolution inputs, prefetch one layer ahead",
+         check=functools.partial(check_options, "vdnn_conv", defaults=_DEFAULTS,
+                                 does=("offload",)))
 register("vdnn_dynamic", vdnn_dynamic,
-         "vDNN dynamic: none, conv, all, then degrade layers to remat until it fits")
+         "vDNN dynamic: none, conv, all, then degrade layers to remat until it fits",
+         check=functools.partial(check_options, "vdnn_dynamic", defaults=_DEFAULTS,
+                                 does=("offload", "remat")))

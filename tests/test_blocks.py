@@ -41,7 +41,7 @@ def test_find_blocks_takes_the_shallowest_level_whose_children_repeat():
 @pytest.mark.parametrize("model", ["resnet50", "gpt2"])
 def test_keeps_block_inputs_and_recomputes_inside_blocks(model):
     _, g = _zoo_graph(model)
-    plan = registry.get("blocks").fn(g, 10**12, COST, {})
+    plan = registry.get("blocks").fn.__wrapped__(g, 10**12, COST, {})
     assert plan.status == "ok" and plan.remat and "blocks" in plan.notes[0]
     modules = g.program.modules
     # Every re-issued tensor was made inside a repeated layer (never the stem or the head).
@@ -50,7 +50,7 @@ def test_keeps_block_inputs_and_recomputes_inside_blocks(model):
     inside = {op for _, ops in found for op in ops}
     assert all(g.tensors[t].producer in inside for t in plan.remat)
     # With save="dots" no matmul is re-issued and fewer tensors are.
-    dots = registry.get("blocks").fn(g, 10**12, COST, {"save": "dots"})
+    dots = registry.get("blocks").fn.__wrapped__(g, 10**12, COST, {"save": "dots"})
     assert not any(g.ops[g.tensors[t].producer].primitive in MATMUL_PRIMITIVES
                    for t in dots.remat)
     assert len(dots.remat) < len(plan.remat)
@@ -65,7 +65,7 @@ def test_a_transformer_keeps_one_residual_stream_per_layer(model):
     projection: neither a matmul that feeds the stream's sum nor a key or value, which
     are small beside a layer's attention matrix but not beside the stream."""
     _, g = _zoo_graph(model)
-    plan = registry.get("blocks").fn(g, 10**12, COST, {"bitwise": False})
+    plan = registry.get("blocks").fn.__wrapped__(g, 10**12, COST, {"bitwise": False})
     _, found = find_blocks(g.program.modules, [o.id for o in g.ops if o.phase == "forward"],
                            [o.primitive for o in g.ops])
     inside = {op for _, ops in found for op in ops}
@@ -88,16 +88,16 @@ def test_a_step_without_module_paths_gets_no_remat_and_says_why():
         return jnp.sum(x ** 2)
 
     g = build_graph(jax.grad(loss), [jnp.ones((32, 32))] * 3, jnp.ones((8, 32)))
-    plan = registry.get("blocks").fn(g, 10**9, COST, {})
+    plan = registry.get("blocks").fn.__wrapped__(g, 10**9, COST, {})
     assert not plan.remat and "no repeated blocks" in plan.notes[0]
     with pytest.raises(ValueError, match="save="):
-        registry.get("blocks").fn(g, 10**9, COST, {"save": "everything"})
+        registry.get("blocks").fn.__wrapped__(g, 10**9, COST, {"save": "everything"})
 
 
 @pytest.mark.parametrize("model", ["resnet50", "vgg16", "gpt2", "mlp"])
 def test_emitted_blocks_plan_is_bitwise_equal_on_the_cpu(model):
     zs, g = _zoo_graph(model, target="cpu")
-    plan = registry.get("blocks").fn(g, 10**9, CostModel.for_target("cpu"), {})
+    plan = registry.get("blocks").fn.__wrapped__(g, 10**9, CostModel.for_target("cpu"), {})
     assert plan.remat
     inputs = zs.make_args(seed=0)
     want = jax.tree_util.tree_leaves(jax.jit(zs.fn)(*inputs))

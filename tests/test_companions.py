@@ -47,7 +47,7 @@ def test_the_plain_order_keeps_every_companion():
 
 def test_a_planned_step_moves_the_copy_only_where_the_zeros_come_from_another_relu():
     _, g = _vgg()
-    plan = registry.get("keep_matmuls").fn(g, 10**12, CostModel.for_target("h100"), {})
+    plan = registry.get("keep_matmuls").fn.__wrapped__(g, 10**12, CostModel.for_target("h100"), {})
     assert plan.remat
     v = plan_lib.view(g)
     charged = sorted((t for t in g.tensors if t.extra_bytes), key=lambda t: -t.bytes)
@@ -63,7 +63,7 @@ def test_the_prediction_of_a_planned_vgg16_bench_step_holds():
     zs = zoo.build("vgg16", "bench", step="train")
     g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
                     target="h100")
-    plan = registry.get("keep_matmuls").fn(g, 10**15, CostModel.for_target("h100"), {})
+    plan = registry.get("keep_matmuls").fn.__wrapped__(g, 10**15, CostModel.for_target("h100"), {})
     h100 = targets.get("h100")
     compiled = jax.jit(emit_lib.emit(g, plan), donate_argnums=zs.donate_argnums).lower(
         *h100.place(zs.args)).compile(compiler_options=h100.compiler_options)

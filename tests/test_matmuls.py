@@ -38,12 +38,12 @@ def _producer(g, t):
 def test_registered_and_refuses_unknown_options():
     assert "keep_matmuls" in registry.planners()
     with pytest.raises(ValueError, match="unknown option"):
-        registry.get("keep_matmuls").fn(_graph(), 10**9, COST, {"segments": 2})
+        registry.get("keep_matmuls").fn.__wrapped__(_graph(), 10**9, COST, {"segments": 2})
 
 
 def test_recomputes_the_elementwise_residuals_and_keeps_the_matmuls_and_the_stream():
     g = _graph()
-    plan = registry.get("keep_matmuls").fn(g, 10**9, COST, {})
+    plan = registry.get("keep_matmuls").fn.__wrapped__(g, 10**9, COST, {})
     res = find_residuals(g)
     recomputed = set(plan.remat)
     assert recomputed and {_producer(g, t) for t in recomputed} == {"sin"}
@@ -61,8 +61,8 @@ def test_no_batch_variant_recomputes_the_attentions_batched_matmuls():
     g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
                     target="h100")
     res = find_residuals(g, fused=True)
-    kept = {name: set(res.tensors) - set(registry.get(name).fn(g, 10**9, COST, {}).remat)
-            for name in ("keep_matmuls", "keep_matmuls_no_batch")}
+    kept = {name: set(res.tensors) - set(registry.get(name).fn.__wrapped__(
+                g, 10**9, COST, {}).remat) for name in ("keep_matmuls", "keep_matmuls_no_batch")}
     batched = {t for t in res.tensors if _producer(g, t) == "dot_general"
                and g.program.jaxpr.jaxpr.eqns[g.tensors[t].producer].params[
                    "dimension_numbers"][1][0]}
@@ -95,7 +95,7 @@ def test_keeps_a_statistic_whose_recomputation_reads_far_more_than_it_frees():
     ws = [jnp.full((64, 64), 0.01 * (i + 1)) for i in range(2)]
     g = build_graph(jax.grad(loss), ws, jnp.ones((128, 64)), jnp.zeros((128,), jnp.int32),
                     target="h100")
-    plan = registry.get("keep_matmuls").fn(g, 10**9, COST, {})
+    plan = registry.get("keep_matmuls").fn.__wrapped__(g, 10**9, COST, {})
     res = find_residuals(g, fused=True)
     head_max = [t for t in res.tensors if _producer(g, t) == "reduce_max"
                 and g.tensors[t].shape == (128,)]
@@ -114,7 +114,7 @@ def test_a_reissued_softmax_exponential_keeps_its_first_copy_fused():
     zs = zoo.build("gpt2", "tiny", step="train")
     g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
                     target="h100")
-    plan = registry.get("keep_matmuls_no_batch").fn(g, 10**9, COST, {})
+    plan = registry.get("keep_matmuls_no_batch").fn.__wrapped__(g, 10**9, COST, {})
     exps = [t for t in plan.remat if _producer(g, t) == "exp"]
     assert exps  # the plan re-issues the softmax exponentials
     closed = jax.make_jaxpr(emit_lib.emit(g, plan))(*zs.args)
@@ -128,9 +128,9 @@ def test_fit_variant_recomputes_more_matmul_outputs_as_the_budget_falls():
     zs = zoo.build("gpt2", "tiny", step="train")
     g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
                     target="h100")
-    fit = registry.get("keep_matmuls_fit").fn
+    fit = registry.get("keep_matmuls_fit").fn.__wrapped__
     roomy = fit(g, 10**12, COST, {})
-    all_kept = registry.get("keep_matmuls").fn(g, 10**12, COST, {})
+    all_kept = registry.get("keep_matmuls").fn.__wrapped__(g, 10**12, COST, {})
     assert roomy.status == "ok" and roomy.remat == all_kept.remat  # nothing to drop
     peaks, times = [all_kept.predicted_peak_bytes], [all_kept.predicted_time_s]
     for share in (0.9, 0.8, 0.7):
@@ -147,9 +147,9 @@ def test_fit_variant_recomputes_more_matmul_outputs_as_the_budget_falls():
 
 def test_fit_variant_stops_at_its_time_limit_with_a_plan_that_is_no_worse():
     g = _graph()
-    all_kept = registry.get("keep_matmuls").fn(g, 10**12, COST, {})
+    all_kept = registry.get("keep_matmuls").fn.__wrapped__(g, 10**12, COST, {})
     budget = int(0.8 * all_kept.predicted_peak_bytes)
-    fit = registry.get("keep_matmuls_fit").fn
+    fit = registry.get("keep_matmuls_fit").fn.__wrapped__
     stopped = fit(g, budget, COST, {"time_limit_s": 0.0})
     assert any(n.startswith("time limit reached: the search stopped after 0 of")
                for n in stopped.notes)
@@ -172,8 +172,9 @@ def test_emitted_plan_is_bitwise_equal_on_the_cpu(model, name):
     cost = CostModel.for_target("cpu")
     budget = 10**9
     if name == "keep_matmuls_fit":  # a budget that makes it recompute matmuls
-        budget = int(0.7 * registry.get("keep_matmuls").fn(g, budget, cost, {}).predicted_peak_bytes)
-    plan = registry.get(name).fn(g, budget, cost, {})
+        keep = registry.get("keep_matmuls").fn.__wrapped__(g, budget, cost, {})
+        budget = int(0.7 * keep.predicted_peak_bytes)
+    plan = registry.get(name).fn.__wrapped__(g, budget, cost, {})
     assert plan.remat
     inputs = zs.make_args(seed=0)
     want = jax.tree_util.tree_leaves(jax.jit(zs.fn)(*inputs))

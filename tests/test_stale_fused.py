@@ -46,7 +46,7 @@ def _compiled(refresh: bool, monkeypatch):
     ws, x = _args()
     step = jax.grad(_gelu_mlp_loss)
     g = build_graph(step, ws, x, target="h100")
-    plan = registry.get("keep_matmuls").fn(g, 10**12, CostModel.for_target("h100"), {})
+    plan = registry.get("keep_matmuls").fn.__wrapped__(g, 10**12, CostModel.for_target("h100"), {})
     assert plan.remat  # the activations are recomputed from the kept matmul outputs
     h100 = targets.get("h100")
     compiled = jax.jit(emit_lib.emit(g, plan)).lower(*h100.place((ws, x))).compile(
@@ -69,7 +69,7 @@ def test_the_planned_step_stays_bitwise_equal_on_the_cpu(refresh, monkeypatch):
     ws, x = _args()
     step = jax.grad(_gelu_mlp_loss)
     g = build_graph(step, ws, x, target="cpu")
-    plan = registry.get("keep_matmuls").fn(g, 10**12, CostModel.for_target("cpu"), {})
+    plan = registry.get("keep_matmuls").fn.__wrapped__(g, 10**12, CostModel.for_target("cpu"), {})
     want = jax.tree_util.tree_leaves(jax.jit(step)(ws, x))
     got = jax.tree_util.tree_leaves(jax.jit(emit_lib.emit(g, plan))(ws, x))
     assert all(np.array_equal(a, b) for a, b in zip(want, got))
@@ -80,7 +80,7 @@ def _vgg_step(masks: bool, target: str, monkeypatch):
     zs = zoo.build("vgg16", "tiny", step="train")
     g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
                     target=target)
-    plan = registry.get("keep_matmuls").fn(g, 10**12, CostModel.for_target(target), {})
+    plan = registry.get("keep_matmuls").fn.__wrapped__(g, 10**12, CostModel.for_target(target), {})
     assert plan.remat  # the ReLUs are recomputed from the kept convolutions
     return zs, emit_lib.emit(g, plan)
 

@@ -1,0 +1,218 @@
+"""What every registered planner obeys, whatever it plans: no decision the budget does not need.
+
+The registry (:func:`jaxmem.planners.register`) wraps each planner function so that
+
+* options are checked first (a bad option is an error even for a step that fits);
+* a step that fits the budget as written, under the simulator, is returned
+  unplanned (:func:`jaxmem.plan.unplanned`: program order, no re-issue, no copy),
+  status ``"ok"``, with a note saying so: every plan runs each op at least once,
+  so no plan is estimated faster, and a decision it does not need can only change
+  how XLA compiles the step;
+* no plan copies to host, or re-issues as a buffer of its own, a value computed
+  from literals only (a ``jnp.ones``, an ``iota``, a function of them:
+  :func:`constant_tensors`). XLA folds such values at compile time, and its
+  simplifier folds constant arithmetic across them (``(x * c) * c`` becomes
+  ``x * (c * c)`` for a constant ``c``); the copy's barrier, or the barriers that
+  keep a re-issued buffer's copies apart, hide the constant, and the planned step
+  computes other bits than the plain one (the loss of a step whose saved residual is
+  ``sin(ones)`` changed in its 7th digit). A planner that chose one has it dropped,
+  and the plan re-simulated. A fused constant re-issued inside a recomputed segment
+  is kept: it is recomputed from its literals, which XLA folds as in the plain step
+  (the segment planners rely on it);
+* under ``bitwise=True``, a re-issued product also re-issues its operands that
+  scale a matmul's output by a constant (:func:`scaled_operands`), or the
+  re-issued copy would multiply in another order than the plain step.
+
+>>> import jax, jax.numpy as jnp
+>>> from jaxmem.graph import build_graph
+>>> g = build_graph(lambda x: jnp.sum(jnp.sin(jnp.ones((4, 4))) @ x), jnp.ones((4, 4)))
+>>> sorted(g.ops[g.tensors[t].producer].primitive for t in constant_tensors(g))
+['broadcast_in_dim', 'sin']
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any, Callable, Mapping
+
+from jaxmem import plan as plan_lib
+
+logger = logging.getLogger(__name__)
+
+_MiB = float(1 << 20)
+
+
+def constant_tensors(graph: Any) -> frozenset[int]:
+    """Tensors computed from literals and the program's constants only (no input on the way)."""
+    inputs = set(graph.inputs)
+    constant: set[int] = set()
+    for op in graph.ops:  # jaxpr order: an op's inputs are decided before it
+        if all(t in constant or (graph.tensors[t].producer is None and t not in inputs)
+               for t in op.inputs):
+            constant.update(op.outputs)
+    return frozenset(constant)
+
+
+def fits_as_written(graph: Any, name: str, budget_bytes: int, cost_model: Any,
+                    started: float, memo: dict[Any, Any] | None = None) -> plan_lib.Plan | None:
+    """The unplanned plan of ``graph`` when its simulated peak fits ``budget_bytes``; else None.
+
+    ``memo``: the verify loop's dict for one graph (``COMMON_OPTIONS``); the peak of the
+    step as written is simulated once for all its rounds.
+    """
+    plain = plan_lib.unplanned(graph, planner=name, budget_bytes=budget_bytes)
+    key = ("plain_peak_bytes", id(graph))
+    peak = memo.get(key) if memo is not None else None
+    if peak is None:
+        peak = plan_lib.simulate_plan(graph, plain).peak_bytes
+        if memo is not None:
+            memo[key] = peak
+    if peak > budget_bytes:
+        return None
+    from jaxmem.planners.sublinear import estimate_time_s
+
+    logger.info("%s: the step as written fits (%d B simulated, budget %d B); no decisions",
+                name, peak, budget_bytes)
+    return plain.replace(
+        predicted_peak_bytes=peak, status="ok", solve_time_s=time.perf_counter() - started,
+        predicted_time_s=None if cost_model is None else estimate_time_s(graph, plain, cost_model),
+        notes=(f"the step as written fits: {peak / _MiB:,.2f} MiB simulated against a budget of "
+               f"{budget_bytes / _MiB:,.2f} MiB; returned unplanned (no re-issue, copy or "
+               f"reordering)",))
+
+
+def without_constant_decisions(graph: Any, plan: plan_lib.Plan, cost_model: Any
+                               ) -> plan_lib.Plan:
+    """``plan`` without host copies of :func:`constant_tensors` and re-issues of those that
+    are buffers (``Tensor.materialized``), re-simulated."""
+    constant = constant_tensors(graph)
+    buffers = {t for t in plan.remat if t in constant and graph.tensors[t].materialized}
+    dropped = sorted((set(plan.offload) & constant) | buffers)
+    if not dropped:
+        return plan
+    from jaxmem import placement as placement_lib
+    from jaxmem.planners.sublinear import estimate_time_s
+
+    kept = plan.replace(offload={t: p for t, p in plan.offload.items() if t not in constant},
+                        remat={t: p for t, p in plan.remat.items() if t not in buffers})
+    placed = [t for t, where in kept.placement.items() if where == "pinned_host"]
+    peak = (placement_lib.simulate_plan(graph, kept) if placed
+            else plan_lib.simulate_plan(graph, kept)).peak_bytes
+    time_s = plan.predicted_time_s
+    if cost_model is not None and time_s is not None:
+        time_s = estimate_time_s(graph, kept.replace(placement={}, host_update=()), cost_model)
+        time_s += placement_lib.update_time_s(graph, cost_model, placed, kept.host_update)
+    status = plan.status
+    if status == "ok" and peak > plan.budget_bytes:
+        status = "over_budget"
+    names = ", ".join(f"t{t}" for t in dropped[:8]) + (", ..." if len(dropped) > 8 else "")
+    logger.info("%s: dropped the decisions on %d values computed from constants only (%s)",
+                plan.planner, len(dropped), names)
+    return kept.replace(
+        predicted_peak_bytes=peak, predicted_time_s=time_s, status=status,
+        notes=(*plan.notes, f"dropped the re-issues and host copies of {len(dropped)} "
+                            f"value{'s' if len(dropped) > 1 else ''} computed from constants only "
+                            f"({names}): XLA folds them at compile time, and a barrier or copy "
+                            f"would change the arithmetic around them"))
+
+
+# A product's re-issue whose operand is a matmul's output scaled by a constant (through
+# layout ops): see :func:`scaled_operands`.
+_PRODUCTS = frozenset({"mul", "div"})
+_SCALINGS = frozenset({"mul", "div", "neg"})
+_MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def scaled_operands(graph: Any, tensor: int, constant: frozenset[int] | None = None
+                    ) -> list[int]:
+    """Operands of ``tensor``'s product that XLA fuses and that scale a matmul's output.
+
+    In ``y = (1.5 * x) * mean(x)``, with ``x`` a matmul's output seen through layout
+    ops, XLA's simplifier folds the two constants together (``x * (sum(x) * 0.25)``).
+    A re-issue of ``y`` alone reads ``1.5 * x`` through the emitter's barrier (a chain
+    from a matmul is tied where it ends), which hides the scaling: the copy computes
+    ``(x * 1.5) * (sum(x) / 6)``, other bits. Re-issued with ``y``, the scaled operand
+    is recomputed after the tie, and the simplifier sees what it saw in the plain step.
+    """
+    from jaxmem.emit import LAYOUT_PRIMITIVES
+
+    constant = constant_tensors(graph) if constant is None else constant
+    producer = graph.tensors[tensor].producer
+    if producer is None or graph.ops[producer].primitive not in _PRODUCTS:
+        return []
+
+    def operand(op: Any) -> int | None:
+        """The one operand of ``op`` that is not a constant, if it has one."""
+        rest = [u for u in op.inputs if u not in constant]
+        return rest[0] if len(rest) == 1 else None
+
+    out = []
+    for v in dict.fromkeys(graph.ops[producer].inputs):
+        made = graph.tensors[v].producer
+        if (made is None or graph.tensors[v].materialized
+                or graph.ops[made].primitive not in _SCALINGS):
+            continue
+        u = operand(graph.ops[made])
+        while u is not None and graph.tensors[u].producer is not None:
+            op = graph.ops[graph.tensors[u].producer]
+            if op.primitive in _MATMULS:
+                out.append(v)
+                break
+            u = (operand(op) if op.primitive in LAYOUT_PRIMITIVES or op.primitive in _SCALINGS
+                 else None)
+    return out
+
+
+def with_scaled_operands(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
+    """``plan`` re-issuing the :func:`scaled_operands` of each re-issued product with it."""
+    constant = constant_tensors(graph)
+    extra: dict[int, tuple[int, ...]] = {}
+    for t, points in plan.remat.items():
+        for v in scaled_operands(graph, t, constant):
+            have = set(plan.remat.get(v, ())) | set(extra.get(v, ()))
+            if not set(points) <= have:
+                extra[v] = tuple(sorted(have | set(points)))
+    if not extra:
+        return plan
+    logger.info("%s: re-issuing the scaled matmul outputs %s with the products that read them",
+                plan.planner, sorted(extra))
+    kept = plan.replace(remat={**plan.remat, **extra})
+    placed = [t for t, where in kept.placement.items() if where == "pinned_host"]
+    if placed:
+        from jaxmem import placement as placement_lib
+
+        peak = placement_lib.simulate_plan(graph, kept).peak_bytes
+    else:
+        peak = plan_lib.simulate_plan(graph, kept).peak_bytes
+    status = kept.status
+    if status == "ok" and peak > kept.budget_bytes:
+        status = "over_budget"
+    return kept.replace(predicted_peak_bytes=peak, status=status)
+
+
+def principled(name: str, fn: Callable[..., plan_lib.Plan],
+               check: Callable[[Mapping[str, Any] | None], Any] | None) -> Callable[..., Any]:
+    """``fn`` under the rules of the module docstring; ``check(options)`` validates options."""
+
+    @functools.wraps(fn)
+    def planner(graph: Any, budget_bytes: int, cost_model: Any,
+                options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
+        started = time.perf_counter()
+        if check is not None:
+            check(options)
+        memo = (options or {}).get("memo")
+        plain = fits_as_written(graph, name, int(budget_bytes), cost_model, started,
+                                memo if isinstance(memo, dict) else None)
+        if plain is not None:
+            return plain
+        plan = fn(graph, budget_bytes, cost_model, options)
+
+        def exact(p: plan_lib.Plan) -> plan_lib.Plan:
+            p = without_constant_decisions(graph, p, cost_model)
+            return with_scaled_operands(graph, p) if (options or {}).get("bitwise", True) else p
+
+        return exact(plan).replace(alternatives=tuple(exact(a) for a in plan.alternatives))
+
+    return planner
