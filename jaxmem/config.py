@@ -147,7 +147,10 @@ class Config:
         planners (``sublinear``, ``chen``, the ``keep_matmuls`` planners, and
         ``cpsat`` through them) recompute those
         values on 16-bit steps too, for a lower peak, with gradients within a
-        few ulps of the plain step's, as under ``jax.checkpoint``.
+        few ulps of the plain step's, as under ``jax.checkpoint``. On target
+        ``cpu``, ``False`` also compiles with ``targets.CPU_KEEP_REMAT``: XLA:CPU
+        otherwise merges every recomputation back into its original, so no remat
+        saves memory there.
       time_limit_s: wall time the planner may spend on a step, all verify
         rounds together: the first round gets half of it and the later rounds
         (re-plans after a compile over the budget) share the other half
@@ -235,10 +238,10 @@ class Config:
         _check_planner(self.planner)
 
     def resolve_target(self, args: Any = ()) -> _targets.Target:
-        """The target: the named one, or for ``"auto"`` the device the arguments live on."""
-        if self.target != "auto":
-            return _targets.get(self.target)
-        return target_of(args)
+        """The target: the named one, or for ``"auto"`` the device the arguments live on,
+        with the compiler options of this config's exactness (``Target.for_bitwise``)."""
+        target = _targets.get(self.target) if self.target != "auto" else target_of(args)
+        return target.for_bitwise(self.bitwise)
 
     def budget_bytes(self, target: "str | _targets.Target") -> int:
         """The device budget in bytes on ``target``."""

@@ -6,8 +6,10 @@ and hands out devices to compile for. ``h100`` and ``h200`` are *compile-only*
 CUDA devices built by XLA from a ``GpuTargetConfigProto`` written from public
 specifications (DESIGN.md §3): XLA's GPU compiler runs, and
 ``memory_analysis()`` reports the GPU buffer assignment, with no GPU present.
-``cpu`` compiles for the host CPU with XLA's memory-optimized scheduler, so
-remat savings show up in its memory figures as they do on a GPU.
+``cpu`` compiles for the host CPU with XLA's memory-optimized scheduler; its
+recomputations survive XLA:CPU's common-subexpression elimination, so remat
+savings show up in its memory figures as on a GPU, only for steps that need not
+be bitwise (:data:`CPU_KEEP_REMAT`).
 
 >>> import jaxmem
 >>> t = jaxmem.targets.get("h100")
@@ -31,12 +33,24 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 # Compiler options of the CPU target: XLA's CPU scheduler minimizes memory (its
-# default ignores memory, so remat shows no savings on the CPU without it), and
+# default ignores memory, so a plan's order saves less on the CPU without it), and
 # fused bf16 intermediates are rounded to bf16 as written (with excess precision
 # allowed, remat moves which values are kept in f32, so a planned bf16 step would
 # not be bitwise equal to the plain one).
 CPU_MEMORY_SCHEDULER = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
                         "xla_allow_excess_precision": False}
+
+# Compiler options that keep remat on the CPU. XLA:CPU expands optimization barriers
+# (its ``cse_barrier_expander`` pass) before it eliminates common subexpressions and
+# fuses, so every recomputation -- a plan's re-issue or jax.checkpoint's own -- is merged
+# back into the value it recomputes and saves no byte (XLA's GPU compiler keeps the
+# barriers through both). Skipping that pass keeps remat as planned and compiled CPU
+# bytes follow the simulator; but the barriers then also move XLA:CPU's fusion
+# boundaries, and XLA:CPU rounds a value such as a tanh differently when it is computed
+# in another fusion, so a planned step can differ from the plain one in the last bits.
+# They are used only for steps that need not be bitwise (``Config(bitwise=False)``);
+# ``python -m bench.cpu_fit`` measures both sets of options.
+CPU_KEEP_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 # JAX lets XLA take this fraction of device memory (XLA_PYTHON_CLIENT_MEM_FRACTION).
 DEFAULT_BUDGET_FRACTION = 0.75
@@ -62,6 +76,8 @@ class Target:
       compile_only: the device cannot execute, only compile (no GPU here).
       description: the marketing name, written into the target config.
       estimated: the speed figures are rough guesses rather than specifications.
+      keep_remat: on ``cpu``, compile with :data:`CPU_KEEP_REMAT` so recomputations
+        are not merged back (:meth:`for_bitwise`).
     """
 
     name: str
@@ -77,6 +93,7 @@ class Target:
     l2_cache_bytes: int = 0
     clock_ghz: float = 0.0
     estimated: bool = False
+    keep_remat: bool = False
 
     @property
     def default_budget_bytes(self) -> int:
@@ -86,7 +103,27 @@ class Target:
     @property
     def compiler_options(self) -> dict[str, Any]:
         """Options passed to ``Lowered.compile`` for this target."""
-        return dict(CPU_MEMORY_SCHEDULER) if self.platform == "cpu" else {}
+        if self.platform != "cpu":
+            return {}
+        return {**CPU_MEMORY_SCHEDULER, **(CPU_KEEP_REMAT if self.keep_remat else {})}
+
+    def for_bitwise(self, bitwise: bool) -> "Target":
+        """This target as a step of that exactness compiles for it.
+
+        A step that must keep the plain step's bits compiles with the exact
+        options; on ``cpu`` one that need not (``Config(bitwise=False)``) keeps
+        its recomputations (:data:`CPU_KEEP_REMAT`), so plans below the step's
+        plain bytes fit as the simulator says. GPU targets keep them either way.
+
+        >>> import jaxmem
+        >>> cpu = jaxmem.targets.get("cpu")
+        >>> "xla_disable_hlo_passes" in cpu.for_bitwise(False).compiler_options
+        True
+        >>> cpu.for_bitwise(True) is cpu
+        True
+        """
+        keep = self.platform == "cpu" and not bitwise
+        return self if keep == self.keep_remat else dataclasses.replace(self, keep_remat=keep)
 
     def flops_per_s(self, dtype: Any) -> float:
         """Dense peak FLOP/s for arithmetic in ``dtype``.
