@@ -329,7 +329,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
             # (prefetches scheduled early, say): plan the next rounds without offloads, at
             # the same budget (this miss says nothing about the simulator's remat plans).
             options = {**options, "allow_offload": False}
-            logger.warning("round %d: the plan's offloads compiled to %s against %s simulated; "
+            logger.info("round %d: the plan's offloads compiled to %s against %s simulated; "
                            "planning the next rounds without offloads", len(rounds),
                            format_bytes(dev), format_bytes(plan.predicted_peak_bytes))
             if all(r.plan.offload for r in rounds[first:]):

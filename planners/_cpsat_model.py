@@ -517,7 +517,7 @@ def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
     by_wall = code not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and \
         solver.deterministic_time < 0.99 * prm.max_deterministic_time
     if deterministic and by_wall:
-        logger.warning("CP-SAT stopped at the wall-clock limit (%.1f s) before its deterministic "
+        logger.info("CP-SAT stopped at the wall-clock limit (%.1f s) before its deterministic "
                        "limit; this solve may not repeat exactly", prm.max_time_in_seconds)
     detail = (f"{status}, {solver.num_conflicts} conflicts, {solver.num_branches} branches, "
               f"{wall:.2f} s wall, {solver.deterministic_time:.2f} det. s, "

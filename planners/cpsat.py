@@ -507,7 +507,7 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
         status = "over_budget"
         notes.append(f"no plan fits: the lowest simulated peak is {best.peak_bytes:,} B "
                      f"({best.name}), over the budget of {budget_bytes:,} B")
-        logger.warning("cpsat: no plan fits %s B; best simulated peak %s B (%s)",
+        logger.info("cpsat: no plan fits %s B; best simulated peak %s B (%s)",
                        f"{budget_bytes:,}", f"{best.peak_bytes:,}", best.name)
         if best is not solver:
             lower = gap = None

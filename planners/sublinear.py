@@ -349,7 +349,7 @@ def finish(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *, planner
             notes.append(f"status before the budget check: {status}")
         status = "over_budget"
         if warn:
-            (log or logger).warning("%s: best plan peaks at %s B, over the budget of %s B",
+            (log or logger).info("%s: best plan peaks at %s B, over the budget of %s B",
                                     planner, f"{sim.peak_bytes:,}", f"{budget_bytes:,}")
     gap = None
     if lower_bound is not None and sim.peak_bytes > 0:

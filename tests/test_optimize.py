@@ -629,7 +629,7 @@ def test_offloads_that_compile_far_over_the_simulation_are_dropped_in_later_roun
     budget = 10 * _plain_cpu_bytes(real, params, x)
     step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
         budget=budget, target="cpu", planner="greedy", verify_rounds=2, on_over_budget="warn"))
-    with caplog.at_level(logging.WARNING, logger="jaxmem.optimize"):
+    with caplog.at_level(logging.INFO, logger="jaxmem.optimize"):
         verified = step.verified(params, x)
     assert seen == [True, False]
     assert verified.rounds[0].plan.offload and not verified.rounds[1].plan.offload
