@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxmem
@@ -101,10 +102,24 @@ def test_every_matmul_of_a_train_step_is_timed(mlp_tiny):
     assert "op times profiled on cpu" in t.summary()
 
 
-def test_abstract_arguments_run_as_zeros(mlp_tiny):
+def test_abstract_arguments_run_as_zeros(mlp_tiny, monkeypatch):
     zs, _, graph, _ = mlp_tiny
+    profiled = []
+
+    def spy(compiled, flat, repeats, trace_dir):
+        profiled.append(list(flat))
+        return real(compiled, flat, repeats, trace_dir)
+
+    real = profile._profile
+    monkeypatch.setattr(profile, "_profile", spy)
     t = profile.op_times(graph, *zs.args, repeats=1)  # ShapeDtypeStructs
     assert t.platform == "cpu" and t.total_s > 0
+    abstract = jax.tree_util.tree_leaves(zs.args)
+    assert all(isinstance(a, jax.ShapeDtypeStruct) for a in abstract)
+    (ran,) = profiled
+    assert [(x.shape, x.dtype) for x in ran] == [(a.shape, a.dtype) for a in abstract]
+    assert all(isinstance(x, jax.Array) and x.devices() == {jax.devices("cpu")[0]}
+               and not np.any(np.asarray(x)) for x in ran)
 
 
 def test_an_abstract_key_cannot_be_made_and_says_what_to_do():

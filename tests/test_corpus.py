@@ -1,0 +1,175 @@
+"""The exactness corpus (``tests/corpus``): steps in the styles users write, every planner.
+
+Each (step, planner, budget) case plans the step through ``jaxmem.optimize(...).plan()``
+for h100 at a budget between the lowest peak a heuristic reaches and the unplanned peak
+(so that the planners decide), emits the plan, runs it on the CPU and must give
+``jax.jit(step_fn)``'s bits on every output leaf, or a clear ``InfeasibleBudgetError`` /
+unsupported-construct fallback; never a crash. The default run covers every step with
+``greedy`` and ``cpsat`` at one budget; ``-m slow`` runs every registered planner at every
+budget. ``python -m tests.corpus`` prints the table of outcomes.
+
+Cases that fail for a known cause in the library are marked ``xfail(strict=True)`` with
+that cause; a fix makes them pass, and the mark must then go.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import corpus
+from jaxmem.planners import planners
+
+STEPS = list(corpus.steps())
+PLANNERS = planners()
+DEFAULT_PLANNERS = ("greedy", "cpsat")
+# Planning seconds per case in the default run (CP-SAT stops at its deterministic limit,
+# half of this, on these graphs).
+DEFAULT_TIME_LIMIT_S = 2.0
+# Of the cases that ran bitwise, at least this share must carry decisions, so that the
+# corpus cannot pass by planning nothing (measured 2026-11-25: 75% of the default slice,
+# 53% of the matrix, where vdnn_conv finds few convolutions and order_bfs/order_dfs only
+# reorder).
+MIN_DECIDED_DEFAULT = 0.6
+MIN_DECIDED_MATRIX = 0.45
+
+# Known failures in the library, by cause: {cause: [(step, planner, budgets), ...]}, budgets
+# ALL or a tuple of labels; from the matrix of 2026-11-25 (python -m tests.corpus), with
+# sublinear's cases run again on its later version.
+EQX_MLP = ("a re-issued value of eqx.nn.MLP's layers read by a backward matmul changes the "
+           "gradients by up to 2.5 ulps (equinox_mlp: remat {22: (64,)} alone, a mul (64, 32) "
+           "re-issued for a dot_general); bitwise=True plans must refuse such re-issues")
+EQX_CHECKPOINT = ("plans of layers under eqx.filter_checkpoint change the gradients by up to "
+                  "2 ulps, or the loss by 1 ulp (not bisected)")
+LAYERNORM = ("re-issuing a LayerNorm's sum of squares (linen_attention_embed: remat {34: (362,)} "
+             "alone) or the attention's residual sum ({132: (289,)} alone) changes the gradients "
+             "by up to 2 ulps")
+LOSS_SUM = ("re-issuing the cross-entropy's sum (linen_batchnorm_convnet: remat {135: (133,)} "
+            "alone, a reduce_sum (4,) re-issued for a div) changes the loss by 1 ulp")
+EQX_GPT = ("re-issues in a small Equinox GPT block (eqx.nn.MultiheadAttention, LayerNorm, MLP "
+           "under vmap) change the gradients by up to 1.5 ulps (not bisected)")
+NOT_BISECTED = ("a plan changes the loss by 1-2 ulps or the attention's gradients (not bisected; "
+                "the symptoms of LAYERNORM and LOSS_SUM)")
+ALL = "*"
+KNOWN: dict[str, list[tuple[str, str, str | tuple[str, ...]]]] = {
+    EQX_MLP: [
+        ("equinox_dropout", "chen", ALL),
+        ("equinox_dropout", "greedy", ("50%", "10%")),
+        ("equinox_dropout", "keep_matmuls", ALL),
+        ("equinox_dropout", "keep_matmuls_fit", ALL),
+        ("equinox_dropout", "keep_matmuls_no_batch", ALL),
+        ("equinox_dropout", "sublinear", ("50%", "10%")),
+        ("equinox_dropout", "vdnn_all", ALL),
+        ("equinox_dropout", "vdnn_dynamic", ALL),
+        ("equinox_mlp", "blocks", ALL),
+        ("equinox_mlp", "chen", ALL),
+        ("equinox_mlp", "cpsat", ALL),
+        ("equinox_mlp", "greedy", ALL),
+        ("equinox_mlp", "keep_matmuls", ALL),
+        ("equinox_mlp", "keep_matmuls_fit", ALL),
+        ("equinox_mlp", "keep_matmuls_no_batch", ALL),
+        ("equinox_mlp", "vdnn_all", ALL),
+        ("equinox_mlp", "vdnn_dynamic", ALL),
+    ],
+    EQX_CHECKPOINT: [
+        ("equinox_filter_checkpoint", "chen", ALL),
+        ("equinox_filter_checkpoint", "cpsat", ALL),
+        ("equinox_filter_checkpoint", "sublinear", ALL),
+        ("equinox_filter_checkpoint", "vdnn_dynamic", ALL),
+    ],
+    EQX_GPT: [
+        ("equinox_gpt_block", "chen", ALL),
+        ("equinox_gpt_block", "cpsat", ALL),
+        ("equinox_gpt_block", "greedy", ("50%", "10%")),
+        ("equinox_gpt_block", "keep_matmuls", ALL),
+        ("equinox_gpt_block", "keep_matmuls_fit", ALL),
+        ("equinox_gpt_block", "keep_matmuls_no_batch", ALL),
+        ("equinox_gpt_block", "sublinear", ("50%", "10%")),
+    ],
+    NOT_BISECTED: [
+        ("haiku_attention_embed", "chen", ALL),
+        ("haiku_attention_embed", "cpsat", ALL),
+        ("haiku_attention_embed", "greedy", ("10%",)),
+        ("haiku_attention_embed", "sublinear", ("50%", "10%")),
+        ("haiku_batchnorm_state", "chen", ALL),
+        ("haiku_batchnorm_state", "cpsat", ALL),
+        ("nnx_attention_embed", "chen", ALL),
+        ("nnx_attention_embed", "cpsat", ALL),
+        ("nnx_attention_embed", "sublinear", ("90%", "10%")),
+    ],
+    LAYERNORM: [
+        ("linen_attention_embed", "blocks", ALL),
+        ("linen_attention_embed", "chen", ALL),
+        ("linen_attention_embed", "cpsat", ALL),
+        ("linen_attention_embed", "keep_matmuls", ALL),
+        ("linen_attention_embed", "keep_matmuls_fit", ALL),
+        ("linen_attention_embed", "keep_matmuls_no_batch", ALL),
+        ("linen_attention_embed", "sublinear", ("10%",)),
+    ],
+    LOSS_SUM: [
+        ("linen_batchnorm_convnet", "chen", ALL),
+    ],
+}
+# cpsat returns the plan of whichever solve or heuristic finished within its time limit, so
+# on a busy machine its plan (and whether a known cause shows) can change: its known
+# failures are marked xfail without strict. Every other planner's are strict.
+LOAD_DEPENDENT = {"cpsat"}
+
+
+def known(step: str, planner: str, budget: str) -> str | None:
+    for reason, cases in KNOWN.items():
+        for s, p, budgets in cases:
+            if s == step and p == planner and (budgets == ALL or budget in budgets):
+                return reason
+    return None
+
+
+def case(step: str, planner: str, budget: str):
+    reason = known(step, planner, budget)
+    marks = ([pytest.mark.xfail(strict=planner not in LOAD_DEPENDENT, reason=reason)]
+             if reason else [])
+    return pytest.param(step, planner, budget, marks=marks, id=f"{step}-{planner}-{budget}")
+
+
+DEFAULT = [case(s, p, corpus.DEFAULT_BUDGET) for s in STEPS for p in DEFAULT_PLANNERS]
+MATRIX = [case(s, p, b) for s in STEPS for p in PLANNERS for b in corpus.BUDGETS]
+
+
+def check(step: str, planner: str, budget: str, time_limit_s: float) -> None:
+    o = corpus.cached_case(step, planner, budget, time_limit_s)
+    assert o.kind in (corpus.BITWISE, corpus.CLEAR), (
+        f"{step} planned by {planner} at {budget}: {o.kind} ({o.decisions} decisions, plan "
+        f"status {o.status!r}): {o.detail}")
+
+
+def decided_share(cases, time_limit_s: float) -> float:
+    outcomes = [corpus.cached_case(*c.values, time_limit_s) for c in cases if not c.marks]
+    ran = [o for o in outcomes if o.kind == corpus.BITWISE]
+    return sum(o.decisions > 0 for o in ran) / max(1, len(ran))
+
+
+def test_the_corpus_has_forty_steps_of_every_style():
+    assert len(STEPS) >= 40
+    styles = {corpus.steps()[s].__module__.rsplit(".", 1)[-1] for s in STEPS}
+    assert styles == {"jax_idioms", "flax_linen", "flax_nnx", "haiku_models", "equinox_models"}
+
+
+@pytest.mark.parametrize("step, planner, budget", DEFAULT)
+def test_step_is_bitwise_or_a_clear_error(step, planner, budget):
+    check(step, planner, budget, DEFAULT_TIME_LIMIT_S)
+
+
+def test_most_default_cases_carry_decisions():
+    assert decided_share(DEFAULT, DEFAULT_TIME_LIMIT_S) >= MIN_DECIDED_DEFAULT
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step, planner, budget", MATRIX)
+def test_every_planner_and_budget_is_bitwise_or_a_clear_error(step, planner, budget):
+    """Every step x every registered planner x every budget (2,205 cases; about an hour of
+    CPU time)."""
+    check(step, planner, budget, corpus.TIME_LIMIT_S)
+
+
+@pytest.mark.slow
+def test_most_matrix_cases_carry_decisions():
+    assert decided_share(MATRIX, corpus.TIME_LIMIT_S) >= MIN_DECIDED_MATRIX
