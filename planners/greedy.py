@@ -12,9 +12,10 @@ reader (offload; costs the copies at the link's bandwidth each way).
 Each round simulates the plan (:func:`jaxmem.plan.simulate_plan`), takes the
 candidates alive at the peak, ranks them by bytes freed per second of extra
 work, and splits the best ones until the bytes they free cover the excess.
-A round that neither lowers the peak nor frees one of the steps that reach it
-is undone and its candidates set aside; when no round helps any more, splits
-whose removal leaves the peak as it is are dropped, latest first (a split that
+A round that makes the peak worse is undone and its candidates set aside (one
+that leaves it as it is may be the first of several the peak needs); when no
+round helps any more, splits whose removal leaves the peak as it is are
+dropped, latest first (a split that
 saves nothing still costs time and changes what XLA compiles). Values computed
 from constants only are never split (XLA folds them; :mod:`jaxmem.planners._principles`).
 The order of operations is never changed (greedy does not reorder, whatever
@@ -171,11 +172,6 @@ class _Decisions:
                              predicted_time_s=None, status=status, **fields)
 
 
-def _height(sim: Any) -> tuple[int, int]:
-    """The peak and how many steps reach it: a split that frees one of them is progress."""
-    return sim.peak_bytes, sum(b == sim.peak_bytes for b in sim.live_bytes)
-
-
 def _without_needless(graph: Any, decisions: _Decisions, sim: Any, budget_bytes: int,
                       deadline: float | None) -> tuple[_Decisions, Any, bool]:
     """``decisions`` without the splits whose removal leaves the simulated peak as it is.
@@ -269,7 +265,7 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
         if not picked:
             break
         new = plan_lib.simulate_plan(graph, trial.plan(budget_bytes))
-        if _height(new) >= _height(sim):
+        if new.peak_bytes >= sim.peak_bytes:
             # The batch moved the peak elsewhere without lowering it (or raised it):
             # keep only its best candidate and set the rest aside for later rounds.
             best, action = picked[0]
@@ -277,9 +273,8 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
             trial = decisions.copy()
             (trial.add_remat if action == "remat" else trial.add_offload)(best)
             new = plan_lib.simulate_plan(graph, trial.plan(budget_bytes))
-            if _height(new) >= _height(sim):
-                # Not even one step at the peak freed: the split buys nothing.
-                logger.debug("greedy: splitting t%d left the peak at %d; set aside",
+            if new.peak_bytes > sim.peak_bytes:
+                logger.debug("greedy: splitting t%d raised the peak to %d; set aside",
                              best.tensor, new.peak_bytes)
                 rejected.add(best.tensor)
                 continue
