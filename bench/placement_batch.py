@@ -150,9 +150,14 @@ def llama_workload(layers: int, width: str = "8b", seq: int = 2048, batch: int =
         params = init_module.init(key, *spec.inputs(dummy))["params"]
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
-    def train_step(state: dict[str, Any], batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    def train_step(state: dict[str, Any], batch: dict[str, Any], key: jax.Array
+                   ) -> tuple[dict[str, Any], Any]:
+        rngs = {"dropout": jax.random.fold_in(key, state["step"])}  # as the zoo's step
+
         def loss_fn(params: Any) -> jax.Array:
-            return spec.loss(module.apply({"params": params}, *spec.inputs(batch)), batch)
+            out = module.apply({"params": params}, *spec.inputs(batch), deterministic=False,
+                               rngs=rngs)
+            return spec.loss(out, batch)
 
         loss, grads = jax.value_and_grad(loss_fn)(state["params"])
         deltas, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -160,8 +165,9 @@ def llama_workload(layers: int, width: str = "8b", seq: int = 2048, batch: int =
                  "step": state["step"] + 1}, {"loss": loss})
 
     state = jax.eval_shape(init_state, jax.random.key(0))
-    return Workload("llama", f"{width} width, {layers} layers", train_step, (state, batch_spec),
-                    (0,))
+    key = jax.eval_shape(jax.random.key, 0)
+    return Workload("llama", f"{width} width, {layers} layers", train_step,
+                    (state, batch_spec, key), (0,))
 
 
 ### One measurement

@@ -9,8 +9,10 @@ and the donation the step expects. Every repeated block is wrapped in
 ``nn.remat`` with one of the peer :data:`POLICIES`; see
 :mod:`jaxmem.models.policies` for the tensor names the models tag.
 
-Steps are deterministic: no model uses dropout, and data is synthetic, drawn
-from a PRNG key (nothing is downloaded).
+``gpt2`` and ``llama`` have dropout (GPT-2 at its original 0.1, Llama at its
+original 0.0, which ``build(..., dropout=rate)`` changes); their steps take a
+PRNG key as a third argument and are deterministic given it. Data is
+synthetic, drawn from a PRNG key (nothing is downloaded).
 
 >>> import jaxmem.models as zoo
 >>> zs = zoo.build("mlp", "tiny", step="grad", policy="full")

@@ -41,15 +41,20 @@ class ZooStep:
     Attributes:
       fn: the pure, un-jitted step. ``step="train"``: ``fn(state, batch) ->
         (new_state, {"loss": loss})`` with AdamW inside; ``step="grad"``:
-        ``fn(params, batch) -> (loss, grads)`` over all parameters.
+        ``fn(params, batch) -> (loss, grads)`` over all parameters. Models with
+        dropout (``gpt2``, ``llama``) take a PRNG key as a third argument, as in
+        Flax's dropout guide: ``fn(state, batch, key)`` draws its masks from
+        ``jax.random.fold_in(key, state["step"])``, a new key each step, and
+        ``fn(params, batch, key)`` from ``key`` itself.
       args: abstract example arguments (``jax.ShapeDtypeStruct`` pytrees), one
         per positional argument of ``fn``; nothing is allocated to build them.
       make_args: ``make_args(seed=0)`` gives concrete arguments of the same
-        structure (meant for ``tiny`` sizes on the CPU).
+        structure (meant for ``tiny`` sizes on the CPU); the key is
+        ``jax.random.key(seed)``.
       donate_argnums: ``(0,)`` for a train step (the state is donated), ``()``
         for a gradient step.
       arg_roles: the role of each positional argument (``"state"``,
-        ``"params"``, ``"batch"``).
+        ``"params"``, ``"batch"``, and ``"other"`` for the key).
       name, size, policy, scan, step: what ``build`` was asked for.
       config: the size's model configuration.
     """
@@ -96,7 +101,8 @@ def spec(name: str) -> ModelSpec:
 
 
 def build(name: str, size: Size | str = "tiny", *, step: StepKind | str = "train",
-          policy: PolicyName | str = "none", scan: bool = False) -> ZooStep:
+          policy: PolicyName | str = "none", scan: bool = False,
+          dropout: float | None = None) -> ZooStep:
     """Build a zoo step.
 
     Args:
@@ -108,13 +114,17 @@ def build(name: str, size: Size | str = "tiny", *, step: StepKind | str = "train
         (``jax.value_and_grad`` of the loss over all parameters).
       policy: a peer from ``jaxmem.models.POLICIES``, applied to every repeated block.
       scan: use the ``nn.scan``-over-layers variant (``mlp``, ``gpt2``, ``llama``).
+      dropout: the dropout rate of a model with dropout (``gpt2``, ``llama``);
+        ``None`` keeps the original model's (GPT-2 0.1, Llama 0.0). At 0.0 the
+        step still takes its key and draws nothing from it.
 
     Returns:
       A :class:`ZooStep`.
 
     Raises:
-      ValueError: for an unknown model, size, step or policy, or ``scan=True``
-        on a model without a scan variant.
+      ValueError: for an unknown model, size, step or policy, ``scan=True``
+        on a model without a scan variant, or a ``dropout`` rate outside
+        [0, 1) or for a model without dropout.
 
     >>> zs = build("mlp", "tiny", step="grad", policy="full")
     >>> zs.arg_roles
@@ -131,6 +141,8 @@ def build(name: str, size: Size | str = "tiny", *, step: StepKind | str = "train
         raise ValueError(_NO_SCAN.format(name=name, allowed=allowed))
 
     config = s.configs[size]
+    if dropout is not None:
+        config = _with_dropout(name, config, dropout)
     module = s.module(config, policy, scan)
     # Parameters come from the un-rematerialized module, so every policy starts
     # from identical parameters (remat never changes the parameter tree).
@@ -146,40 +158,62 @@ def build(name: str, size: Size | str = "tiny", *, step: StepKind | str = "train
         state.update({col: variables[col] for col in s.mutable})
         return state
 
-    def loss_and_updates(params: Any, model_state: dict[str, Any], batch: Batch
-                         ) -> tuple[jax.Array, dict[str, Any]]:
+    def loss_and_updates(params: Any, model_state: dict[str, Any], batch: Batch,
+                         key: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
         variables = {"params": params, **model_state}
+        kwargs: dict[str, Any] = {}
+        if s.rngs:
+            kwargs = {"deterministic": False, "rngs": _streams(s.rngs, key)}
         if s.mutable:
-            out, updates = module.apply(variables, *s.inputs(batch), mutable=list(s.mutable))
+            out, updates = module.apply(variables, *s.inputs(batch), mutable=list(s.mutable),
+                                        **kwargs)
         else:
-            out, updates = module.apply(variables, *s.inputs(batch)), {}
+            out, updates = module.apply(variables, *s.inputs(batch), **kwargs), {}
         return s.loss(out, batch), dict(updates)
 
-    def train_step(state: dict[str, Any], batch: Batch) -> tuple[dict[str, Any], dict[str, Any]]:
+    def train_update(state: dict[str, Any], batch: Batch, key: jax.Array | None
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
         model_state = {col: state[col] for col in s.mutable}
         (loss, updates), grads = jax.value_and_grad(loss_and_updates, has_aux=True)(
-            state["params"], model_state, batch)
+            state["params"], model_state, batch, key)
         deltas, opt_state = tx.update(grads, state["opt_state"], state["params"])
         new_state = {"params": optax.apply_updates(state["params"], deltas),
                      "opt_state": opt_state, "step": state["step"] + 1}
         new_state.update({col: updates[col] for col in s.mutable})
         return new_state, {"loss": loss}
 
-    def grad_step(params: Any, batch: Batch) -> tuple[jax.Array, Any]:
+    def gradients(params: Any, batch: Batch, key: jax.Array | None) -> tuple[jax.Array, Any]:
         # Mutable collections (BatchNorm statistics) are created fresh inside
         # the step and dropped: in training mode the loss reads only the batch
         # statistics, never the running averages.
-        return jax.value_and_grad(lambda p: loss_and_updates(p, {}, batch)[0])(params)
+        return jax.value_and_grad(lambda p: loss_and_updates(p, {}, batch, key)[0])(params)
+
+    def train_step(state: dict[str, Any], batch: Batch) -> tuple[dict[str, Any], dict[str, Any]]:
+        return train_update(state, batch, None)
+
+    def grad_step(params: Any, batch: Batch) -> tuple[jax.Array, Any]:
+        return gradients(params, batch, None)
+
+    def keyed_train_step(state: dict[str, Any], batch: Batch, key: jax.Array
+                         ) -> tuple[dict[str, Any], dict[str, Any]]:
+        # A new key each step from one key and the step counter, as Flax's dropout guide does.
+        return train_update(state, batch, jax.random.fold_in(key, state["step"]))
+
+    def keyed_grad_step(params: Any, batch: Batch, key: jax.Array) -> tuple[jax.Array, Any]:
+        return gradients(params, batch, key)
 
     state_spec = jax.eval_shape(init_state, jax.random.key(0))
+    key_args: tuple[Any, ...] = (jax.eval_shape(jax.random.key, 0),) if s.rngs else ()
+    key_roles = ("other",) if s.rngs else ()
 
     if step == "train":
-        fn: Callable[..., Any] = train_step
-        args: tuple[Any, ...] = (state_spec, batch_spec)
-        roles, donate = ("state", "batch"), (0,)
+        fn: Callable[..., Any] = keyed_train_step if s.rngs else train_step
+        args: tuple[Any, ...] = (state_spec, batch_spec, *key_args)
+        roles, donate = ("state", "batch", *key_roles), (0,)
     else:
-        fn, args = grad_step, (state_spec["params"], batch_spec)
-        roles, donate = ("params", "batch"), ()
+        fn = keyed_grad_step if s.rngs else grad_step
+        args = (state_spec["params"], batch_spec, *key_args)
+        roles, donate = ("params", "batch", *key_roles), ()
 
     init_jit = jax.jit(init_state)
     batch_jit = jax.jit(lambda key: s.make_batch(config, key))
@@ -189,11 +223,34 @@ def build(name: str, size: Size | str = "tiny", *, step: StepKind | str = "train
         # faster than threefry's unrolled rounds for many-parameter inits.
         k_init, k_batch = jax.random.split(jax.random.key(seed, impl="rbg"))
         state, batch = init_jit(k_init), batch_jit(k_batch)
-        return (state, batch) if step == "train" else (state["params"], batch)
+        keys = (jax.random.key(seed),) if s.rngs else ()
+        return (state, batch, *keys) if step == "train" else (state["params"], batch, *keys)
 
-    logger.debug("built %s/%s step=%s policy=%s scan=%s", name, size, step, policy, scan)
+    logger.debug("built %s/%s step=%s policy=%s scan=%s dropout=%s", name, size, step, policy,
+                 scan, getattr(config, "dropout", None))
     return ZooStep(fn=fn, args=args, make_args=make_args, donate_argnums=donate, arg_roles=roles,
                    name=name, size=size, policy=policy, scan=scan, step=step, config=config)
+
+
+def _with_dropout(name: str, config: Any, rate: float) -> Any:
+    """``config`` with dropout ``rate``, checked."""
+    if not hasattr(config, "dropout"):
+        with_dropout = ", ".join(n for n, x in _SPECS.items() if "dropout" in x.rngs)
+        raise ValueError(f"model {name!r} has no dropout (dropout={rate!r} was passed); models "
+                         f"with dropout: {with_dropout}. Pass dropout=None.")
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout={rate!r} is not a rate in [0, 1): it is the probability of "
+                         f"dropping each element (0.0 turns dropout off).")
+    return dataclasses.replace(config, dropout=float(rate))
+
+
+def _streams(names: tuple[str, ...], key: jax.Array | None) -> dict[str, jax.Array]:
+    """One key per PRNG stream of the forward pass: ``key`` itself when there is one stream."""
+    if key is None:
+        raise ValueError(f"this step draws from the PRNG stream(s) {names} and needs a key")
+    if len(names) == 1:
+        return {names[0]: key}
+    return dict(zip(names, jax.random.split(key, len(names))))
 
 
 __all__ = ["SIZES", "STEPS", "ZooStep", "build", "names", "spec"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import flax.linen as nn
 import jax
@@ -20,12 +20,13 @@ def repeat_block(block: type[nn.Module], count: int, x: jax.Array, *, policy: st
     convention ``__call__(self, x, _) -> (x, None)`` so one definition serves
     both layouts: unrolled blocks are named ``layer_{i}``; the scanned stack is
     one module named ``layers`` whose parameters carry a leading axis of size
-    ``count``.
+    ``count``. Each scanned layer draws its own ``"dropout"`` key (as each
+    unrolled layer does through its module path), so no two layers share a mask.
     """
     if scan:
         body = remat_block(block, policy, scanned=True)
-        stack = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
-                        length=count)
+        stack = nn.scan(body, variable_axes={"params": 0},
+                        split_rngs={"params": True, "dropout": True}, length=count)
         x, _ = stack(**kwargs, name="layers")(x, None)
         return x
     layer = remat_block(block, policy)
@@ -56,8 +57,8 @@ def mean_squared_error(pred: jax.Array, target: jax.Array) -> jax.Array:
     return jnp.mean(diff * diff)
 
 
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     probs_dropout: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """Causal softmax attention with grouped key/value heads.
 
     Args:
@@ -65,6 +66,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
       k, v: keys and values ``(batch, seq, kv_heads, head_dim)``; ``heads``
         must be a multiple of ``kv_heads`` (``kv_heads == heads`` is ordinary
         multi-head attention, fewer is GQA).
+      probs_dropout: applied to the attention probabilities (cast to ``v``'s
+        dtype) before they weight the values, as GPT-2's ``attn_pdrop``.
 
     Returns:
       The context ``(batch, seq, heads, head_dim)`` in ``q``'s dtype. Scores
@@ -83,6 +86,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     scores = scores + jnp.where(causal, 0.0, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if probs_dropout is not None:
+        probs = probs_dropout(probs)
     ctx = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return ctx.reshape(b, t, h, d)
 

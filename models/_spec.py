@@ -27,6 +27,9 @@ class ModelSpec:
       has_scan: the model has an ``nn.scan``-over-layers variant.
       mutable: variable collections the forward pass updates (ResNet's
         ``"batch_stats"``); they travel in the train state.
+      rngs: PRNG streams the training forward pass draws from (``"dropout"``).
+        A model with any is called with ``deterministic=False`` and
+        ``rngs={name: key}`` in training, and its steps take a key argument.
       learning_rate: AdamW's learning rate.
       doc: one line for listings.
     """
@@ -40,5 +43,6 @@ class ModelSpec:
     loss: Callable[[Any, Batch], jax.Array]
     has_scan: bool = False
     mutable: tuple[str, ...] = ()
+    rngs: tuple[str, ...] = ()
     learning_rate: float = 1e-3
     doc: str = ""

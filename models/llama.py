@@ -6,7 +6,13 @@ attention with 32 query heads and 8 key/value heads (head_dim 64), RoPE
 (as in Llama-3.2-1B, about 1.24B parameters), sequence 2048, batch 8.
 Parameters and compute are bfloat16; attention scores, softmax and the
 cross-entropy run in float32, and AdamW's moments take the parameters' dtype
-(bfloat16). No dropout, so every step is deterministic.
+(bfloat16).
+
+Llama trains without dropout, so ``LlamaConfig.dropout`` is 0.0 and the step
+applies none. ``jaxmem.models.build("llama", ..., dropout=rate)`` turns it on at
+GPT-2's places: the embeddings, the attention probabilities and both residual
+branches. As in ``gpt2``, dropout runs only under ``deterministic=False`` with
+``rngs={"dropout": key}``.
 
 On the CPU, remat changes this step's results by bfloat16 ulps unless it is
 compiled with ``xla_allow_excess_precision=False``: by default XLA keeps
@@ -52,6 +58,9 @@ class LlamaConfig:
     rope_theta: float = 500_000.0
     norm_eps: float = 1e-5
     dtype: str = "bfloat16"
+    # Llama trains without dropout: Meta's reference model (meta-llama/llama3, model.py) has no
+    # dropout layer and Hugging Face's LlamaConfig defaults attention_dropout to 0.0.
+    dropout: float = 0.0
 
 
 CONFIGS = {
@@ -86,6 +95,7 @@ class LlamaBlock(nn.Module):
     """RMSNorm + GQA attention with RoPE, RMSNorm + SwiGLU (scan convention)."""
 
     config: LlamaConfig
+    deterministic: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array, _: None = None) -> tuple[jax.Array, None]:
@@ -95,6 +105,7 @@ class LlamaBlock(nn.Module):
                                   param_dtype=c.dtype)
         norm = functools.partial(nn.RMSNorm, epsilon=c.norm_eps, dtype=c.dtype,
                                  param_dtype=c.dtype)
+        dropout = functools.partial(nn.Dropout, c.dropout, deterministic=self.deterministic)
 
         x = checkpoint_name(x, "decoder_layer_input")
         h = norm(name="attention_norm")(x)
@@ -102,15 +113,16 @@ class LlamaBlock(nn.Module):
         k = checkpoint_name(dense((c.kv_heads, head_dim), name="key")(h), "key_proj")
         v = checkpoint_name(dense((c.kv_heads, head_dim), name="value")(h), "value_proj")
         q, k = rope(q, c.rope_theta), rope(k, c.rope_theta)
-        ctx = checkpoint_name(causal_attention(q, k, v), "context")
+        ctx = checkpoint_name(causal_attention(q, k, v, dropout(name="attn_dropout")),
+                              "context")
         out = checkpoint_name(dense(c.d_model, axis=(-2, -1), name="out")(ctx), "out_proj")
-        x = x + out
+        x = x + dropout(name="attn_out_dropout")(out)
 
         h = norm(name="mlp_norm")(x)
         gate = checkpoint_name(dense(c.ffn, name="wi_0")(h), "mlpwi_0")
         up = checkpoint_name(dense(c.ffn, name="wi_1")(h), "mlpwi_1")
         h = checkpoint_name(dense(c.d_model, name="wo")(jax.nn.silu(gate) * up), "mlpwo")
-        return x + h, None
+        return x + dropout(name="mlp_out_dropout")(h), None
 
 
 class Llama(nn.Module):
@@ -121,12 +133,13 @@ class Llama(nn.Module):
     scan: bool = False
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
         c = self.config
         embed = nn.Embed(c.vocab, c.d_model, embedding_init=nn.initializers.normal(0.02),
                          dtype=c.dtype, param_dtype=c.dtype, name="embed")
-        x = embed(tokens)
-        x = repeat_block(LlamaBlock, c.layers, x, policy=self.policy, scan=self.scan, config=c)
+        x = nn.Dropout(c.dropout, deterministic=deterministic, name="embed_dropout")(embed(tokens))
+        x = repeat_block(LlamaBlock, c.layers, x, policy=self.policy, scan=self.scan, config=c,
+                         deterministic=deterministic)
         x = nn.RMSNorm(epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.dtype, name="norm")(x)
         return embed.attend(x)
 
@@ -140,6 +153,7 @@ SPEC = ModelSpec(
     inputs=lambda b: (b["inputs"],),
     loss=next_token_loss,
     has_scan=True,
+    rngs=("dropout",),
     learning_rate=3e-4,
     doc="Llama-3.2-1B shapes (GQA, RoPE, SwiGLU, bf16), next-token cross-entropy",
 )

@@ -1,4 +1,5 @@
-"""The model zoo (``jaxmem.models``) at tiny sizes: builds, compiles, exactness of the peer policies.
+"""The model zoo (``jaxmem.models``) at tiny sizes: builds, compiles, dropout, exactness of the
+peer policies.
 
 Compiled executables are cached per (model, scan, step, policy, target) so the
 compile-matrix tests and the exactness tests share the unplanned CPU step.
@@ -10,6 +11,7 @@ import functools
 import hashlib
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +20,8 @@ import pytest
 import jaxmem.models as zoo
 import jaxmem.planners
 from jaxmem import targets
-from jaxmem.models import policies
+from jaxmem.models import gpt2, llama, policies
+from jaxmem.models._layers import repeat_block
 
 VARIANTS = [(name, scan) for name in zoo.names()
             for scan in ((False, True) if zoo.spec(name).has_scan else (False,))]
@@ -29,8 +32,13 @@ VARIANT_IDS = [f"{n}-scan" if s else n for n, s in VARIANTS]
 
 
 @functools.lru_cache(maxsize=None)
-def _step(name: str, scan: bool, step: str, policy: str = "none") -> zoo.ZooStep:
-    return zoo.build(name, "tiny", step=step, policy=policy, scan=scan)
+def _step(name: str, scan: bool, step: str, policy: str = "none",
+          dropout: float | None = None) -> zoo.ZooStep:
+    return zoo.build(name, "tiny", step=step, policy=policy, scan=scan, dropout=dropout)
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _is_bf16(zs: zoo.ZooStep) -> bool:
@@ -54,8 +62,9 @@ def _cpu_options(zs: zoo.ZooStep) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str, scan: bool, step: str, policy: str, target: str) -> jax.stages.Compiled:
-    zs = _step(name, scan, step, policy)
+def _compiled(name: str, scan: bool, step: str, policy: str, target: str,
+              dropout: float | None = None) -> jax.stages.Compiled:
+    zs = _step(name, scan, step, policy, dropout)
     if target == "cpu":
         return zs.lower("cpu").compile(compiler_options=_cpu_options(zs))
     return zs.compile(target)
@@ -64,14 +73,17 @@ def _compiled(name: str, scan: bool, step: str, policy: str, target: str) -> jax
 @functools.lru_cache(maxsize=None)
 def _host_args(name: str, scan: bool, step: str) -> tuple[Any, ...]:
     # Kept as NumPy: the train step donates its state, so every call gets fresh
-    # device buffers. A gradient step takes the train state's parameters.
-    state, batch = jax.tree_util.tree_map(np.asarray, _step(name, scan, "train").make_args(0))
-    return (state, batch) if step == "train" else (state["params"], batch)
+    # device buffers. A gradient step takes the train state's parameters. A PRNG
+    # key (not donated) stays a JAX array: NumPy has no key dtype.
+    state, batch, *keys = jax.tree_util.tree_map(
+        lambda x: x if _is_key(x) else np.asarray(x), _step(name, scan, "train").make_args(0))
+    return (state, batch, *keys) if step == "train" else (state["params"], batch, *keys)
 
 
-def _run(name: str, scan: bool, step: str, policy: str) -> Any:
+def _run(name: str, scan: bool, step: str, policy: str, dropout: float | None = None) -> Any:
     args = jax.tree_util.tree_map(jnp.asarray, _host_args(name, scan, step))
-    return jax.tree_util.tree_map(np.asarray, _compiled(name, scan, step, policy, "cpu")(*args))
+    compiled = _compiled(name, scan, step, policy, "cpu", dropout)
+    return jax.tree_util.tree_map(np.asarray, compiled(*args))
 
 
 def _program_groups(name: str, scan: bool, step: str) -> list[list[str]]:
@@ -140,10 +152,12 @@ def test_zoo_step_fields() -> None:
     assert train.donate_argnums == (0,) and train.arg_roles == ("state", "batch")
     assert set(train.args[0]) == {"params", "opt_state", "step", "batch_stats"}
     assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree_util.tree_leaves(train.args))
+    assert len(train.args) == 2 and train.config is zoo.spec("resnet50").configs["tiny"]
     grad = _step("gpt2", True, "grad")
-    assert grad.donate_argnums == () and grad.arg_roles == ("params", "batch")
+    assert grad.donate_argnums == () and grad.arg_roles == ("params", "batch", "other")
     assert (grad.name, grad.size, grad.policy, grad.scan, grad.step) == ("gpt2", "tiny", "none", True, "grad")
     assert "layers" in grad.args[0]  # the scanned stack holds all blocks' parameters
+    assert grad.args[2].shape == () and _is_key(grad.args[2])  # the dropout key
 
 
 def _conv(k: int, cin: int, cout: int, bias: bool = True) -> int:
@@ -209,6 +223,104 @@ def test_blocks_tag_their_tensors(name: str, expected: set[str]) -> None:
     assert _jaxpr_names(jax.make_jaxpr(zs.fn)(*zs.args).jaxpr) == expected
 
 
+### Dropout
+
+
+def test_dropout_rates_are_the_original_models():
+    assert {c.dropout for c in gpt2.CONFIGS.values()} == {0.1}
+    assert {c.dropout for c in llama.CONFIGS.values()} == {0.0}
+    assert _step("llama", False, "grad", dropout=0.25).config.dropout == 0.25
+    assert _step("gpt2", False, "grad").config.dropout == 0.1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"name": "mlp", "dropout": 0.1}, "has no dropout"),
+    ({"name": "gpt2", "dropout": 1.0}, r"\[0, 1\)"),
+    ({"name": "llama", "dropout": -0.1}, r"\[0, 1\)"),
+    ({"name": "gpt2", "dropout": float("nan")}, r"\[0, 1\)"),
+])
+def test_build_rejects_bad_dropout(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        zoo.build(kwargs.pop("name"), "tiny", **kwargs)
+
+
+def _random_bits(jaxpr: Any) -> int:
+    """How many ``random_bits`` equations a jaxpr has, sub-jaxprs included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "random_bits"
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += _random_bits(inner)
+    return count
+
+
+@pytest.mark.parametrize("name, dropout, masks", [
+    ("gpt2", None, 1 + 3 * gpt2.CONFIGS["tiny"].layers),  # embeddings; probs and 2 residuals
+    ("gpt2", 0.0, 0),
+    ("llama", None, 0),
+    ("llama", 0.1, 1 + 3 * llama.CONFIGS["tiny"].layers),
+])
+def test_dropout_masks_where_the_model_drops(name: str, dropout: float | None,
+                                             masks: int) -> None:
+    zs = _step(name, False, "grad", dropout=dropout)
+    assert _random_bits(jax.make_jaxpr(zs.fn)(*zs.args).jaxpr) == masks
+
+
+def _loss(zs: zoo.ZooStep, args: tuple[Any, ...]) -> float:
+    out = jax.jit(zs.fn)(*args)
+    return float(out[1]["loss"] if zs.step == "train" else out[0])
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+@pytest.mark.parametrize("step", ["train", "grad"])
+def test_dropout_draws_from_the_step_key(scan: bool, step: str) -> None:
+    """The masks follow the key argument (the train step's also the step counter); at rate 0
+    the key changes nothing."""
+    zs = _step("gpt2", scan, step)
+    *args, key = zs.make_args(0)
+    base = _loss(zs, (*args, key))
+    assert _loss(zs, (*zs.make_args(0)[:-1], key)) == base
+    assert _loss(zs, (*zs.make_args(0)[:-1], jax.random.key(7))) != base
+    if step == "train":
+        state, batch, _ = zs.make_args(0)
+        state["step"] = state["step"] + 1
+        assert _loss(zs, (state, batch, key)) != base
+    off = _step("gpt2", scan, step, dropout=0.0)
+    other_key = (*off.make_args(0)[:-1], jax.random.key(7))
+    assert _loss(off, other_key) == _loss(off, off.make_args(0))
+
+
+def test_llama_dropout_turns_on() -> None:
+    zs = _step("llama", True, "train", dropout=0.1)
+    assert _loss(zs, zs.make_args(0)) != _loss(zs, (*zs.make_args(0)[:-1], jax.random.key(7)))
+
+
+class _MaskBlock(nn.Module):
+    """A block that adds its dropout mask of ones (0 or 2 at rate 0.5) to the carry."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: None = None) -> tuple[jax.Array, None]:
+        return x + nn.Dropout(0.5, deterministic=False)(jnp.ones_like(x)), None
+
+
+class _Masks(nn.Module):
+    scan: bool
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return repeat_block(_MaskBlock, 2, x, policy="full", scan=self.scan)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_each_layer_draws_its_own_mask(scan: bool) -> None:
+    """Two layers sharing one mask would give only 0 or 4; independent masks also give 2."""
+    out = _Masks(scan).apply({}, jnp.zeros(256), rngs={"dropout": jax.random.key(0)})
+    assert set(np.unique(np.asarray(out)).tolist()) == {0.0, 2.0, 4.0}
+
+
 ### Compiling
 
 
@@ -229,7 +341,9 @@ COMPILE_CASES = [
 def test_compiles_for_every_target(target: str, name: str, scan: bool, step: str) -> None:
     mem = _compiled(name, scan, step, "none", target).memory_analysis()
     zs = _step(name, scan, step)
-    arg_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(zs.args))
+    # jax.jit drops an argument the step never reads: the key of a model at dropout 0.0.
+    read = zs.args[:2] if getattr(zs.config, "dropout", None) == 0.0 else zs.args
+    arg_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(read))
     assert mem.argument_size_in_bytes == arg_bytes
     if step == "train":  # the donated state comes back in place
         state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(zs.args[0]))
@@ -298,9 +412,10 @@ def _assert_close_in_ulps(ref: Any, out: Any, what: str) -> None:
         np.testing.assert_allclose(b, a, rtol=0, atol=atol, err_msg=f"{what} {path}")
 
 
-def _check_matches_none(name: str, scan: bool, step: str, policies_: list[str]) -> None:
-    ref = _run(name, scan, step, "none")
-    out = _run(name, scan, step, policies_[0])
+def _check_matches_none(name: str, scan: bool, step: str, policies_: list[str],
+                        dropout: float | None = None) -> None:
+    ref = _run(name, scan, step, "none", dropout)
+    out = _run(name, scan, step, policies_[0], dropout)
     if (name, scan) not in INEXACT_ON_CPU:
         assert not _mismatches(ref, out), f"policies {policies_} differ from none: {_mismatches(ref, out)}"
         return
@@ -330,23 +445,27 @@ def _check_matches_none(name: str, scan: bool, step: str, policies_: list[str]) 
 # placement annotation is emitted for the gpu and tpu platforms only), so an
 # offload policy runs there as "save these residuals": it is exercised, but no
 # host copy is; the H100 test below checks that the host copies exist.
+# GPT-2 runs with its dropout (masks recomputed under remat from the same key); one llama
+# case turns dropout on in bfloat16.
 EXACTNESS_CASES = [
-    ("mlp", True, "grad", "offload_dots_no_batch"),  # offload out of a scan body
-    ("vgg16", False, "train", "dots"),
-    ("resnet50", False, "train", "full"),  # BatchNorm statistics updated under remat
-    ("unet", False, "grad", "dots"),
-    ("gpt2", False, "grad", "save_qkv_proj"),
-    ("gpt2", False, "train", "qkv_proj_offloaded"),
-    ("gpt2", True, "grad", "full"),  # the inexact case: loss bitwise, gradients within ULPS
-    ("llama", False, "grad", "save_dot_except_mlpwi"),  # bfloat16
-    ("llama", True, "train", "dots_no_batch"),
+    ("mlp", True, "grad", "offload_dots_no_batch", None),  # offload out of a scan body
+    ("vgg16", False, "train", "dots", None),
+    ("resnet50", False, "train", "full", None),  # BatchNorm statistics updated under remat
+    ("unet", False, "grad", "dots", None),
+    ("gpt2", False, "grad", "save_qkv_proj", None),
+    ("gpt2", False, "train", "qkv_proj_offloaded", None),
+    ("gpt2", True, "grad", "full", None),  # inexact: loss bitwise, gradients within ULPS
+    ("llama", False, "grad", "save_dot_except_mlpwi", None),  # bfloat16
+    ("llama", True, "train", "dots_no_batch", None),
+    ("llama", False, "train", "full", 0.1),
 ]
 
 
-@pytest.mark.parametrize("name, scan, step, policy", EXACTNESS_CASES,
+@pytest.mark.parametrize("name, scan, step, policy, dropout", EXACTNESS_CASES,
                          ids=["-".join(map(str, c)) for c in EXACTNESS_CASES])
-def test_peer_policy_matches_none_on_cpu(name: str, scan: bool, step: str, policy: str) -> None:
-    _check_matches_none(name, scan, step, [policy])
+def test_peer_policy_matches_none_on_cpu(name: str, scan: bool, step: str, policy: str,
+                                         dropout: float | None) -> None:
+    _check_matches_none(name, scan, step, [policy], dropout)
 
 
 @pytest.mark.slow
