@@ -90,11 +90,12 @@ def _worker(model: str, devices: int) -> dict:
         fn, args = zs.fn, zs.make_args(seed=0)
     report: dict = {"devices": len(jax.devices())}
     for mode in MODES:
-        state, batch = _shard(mesh, mode, *args)
+        state, batch = _shard(mesh, mode, *args[:2])
+        extra = tuple(args[2:])  # a dropout key
         plain = jax.jit(fn)
-        reference = plain(state, batch)
-        compiled = plain.lower(state, batch).compile()
-        graph = analyse(trace(fn, state, batch), "cpu")
+        reference = plain(state, batch, *extra)
+        compiled = plain.lower(state, batch, *extra).compile()
+        graph = analyse(trace(fn, state, batch, *extra), "cpu")
         x = graph.tensors[next(t for t in range(len(graph.tensors))
                                if graph.tensors[t].role == "batch")]
         first = next(t for t in graph.tensors if t.producer is not None
@@ -111,8 +112,8 @@ def _worker(model: str, devices: int) -> dict:
             step = jax.jit(emit.emit(graph, plan))
             if kind == "greedy":
                 report[f"{mode}/greedy_peak"] = [plan.predicted_peak_bytes, unplanned]
-            out = step(state, batch)
-            got = step.lower(state, batch).compile()
+            out = step(state, batch, *extra)
+            got = step.lower(state, batch, *extra).compile()
             report[f"{mode}/{kind}"] = {
                 "changes": len(plan.remat) + len(plan.offload),
                 "exact": _leaves_equal(reference, out),
