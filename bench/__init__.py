@@ -6,7 +6,7 @@ Run from the repository root::
 
 It compiles each (model, planner, budget) for the target (``h100`` by
 default, compile-only), writes one JSON line per run to
-``OUT/results.jsonl`` (fields of DESIGN.md §4), prints a table with memory
+``OUT/results.jsonl`` (fields of docs/measurement.md), prints a table with memory
 in MiB and ratios to the unplanned step (``none``), and plots compiled peak
 against estimated step time in ``OUT/pareto.png``.
 
@@ -26,6 +26,9 @@ the target, not a measurement.
 
 import os
 
-# The CUDA plugin must not look for a GPU on machines without one (DESIGN.md §3);
+# The CUDA plugin must not look for a GPU on machines without one (docs/targets.md);
 # set before anything imports jax. An explicit setting wins.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Import JAX through jaxmem first, so the CUDA plugin's start-up noise is dropped.
+import jaxmem  # noqa: E402,F401

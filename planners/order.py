@@ -663,7 +663,7 @@ def order_ilp(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
         candidates["ILP incumbent"] = res.order
     kept, order = _best(prob, candidates)
     tuned = fine_tune(prob, order, opts["fine_tune_s"])
-    logger.warning("order_ilp: %s; fell back to the BFS and DFS list schedulers and kept %s "
+    logger.info("order_ilp: %s; fell back to the BFS and DFS list schedulers and kept %s "
                    "(peak %s B, %s B after fine-tuning)", why, kept,
                    f"{prob.evaluate(order)[0]:,}", f"{prob.evaluate(tuned)[0]:,}")
     notes.extend(f"{k}: peak {prob.evaluate(v)[0]:,} B" for k, v in candidates.items())
