@@ -426,6 +426,7 @@ class _Interpreter:
         # versions the emitter makes beyond the schedule's (chains recomputed after a
         # prefetch) -> their tensor.
         self.made_by: dict[int, plan_lib.Event] = {}
+        self._constants: dict[int, bool] = {}
         self.issued_at: dict[int, int] = {}
         self._extra_tensor: dict[int, int] = {}
         self._next_version = 0
@@ -599,6 +600,7 @@ class _Interpreter:
     def run(self, flat_args: Sequence[Any]) -> list[Any]:
         view, events = self.view, self.schedule.events
         self.made_by, self.issued_at, self._extra_tensor = {}, {}, {}
+        self._constants: dict[int, bool] = {}  # version -> _constant(version), this run
         self.last_read = self._last_reads()
         self._folding_readers: set[int] | None = None
         self._next_version = view.n_tensors + len(self.schedule.tensor_of)
@@ -643,9 +645,12 @@ class _Interpreter:
             # Barrier at this op: pending copies/pins, prefetch sources, remat inputs, and the op's inputs.
             made_here = {w for ev in before for w in ev.writes if w is not None}
             # Everything a re-issue reads from before this point goes through the barrier
-            # (fused inputs are re-issued here too, from barriered roots).
+            # (fused inputs are re-issued here too, from barriered roots), but values computed
+            # from literals only: XLA folds them into their readers (a division by a keep
+            # probability becomes a multiply), which a barrier would stop.
             remat_reads = [r for ev in before if ev.kind in ("remat", "fused") for r in ev.reads
-                           if r is not None and r not in made_here and self._real(r)]
+                           if r is not None and r not in made_here and self._real(r)
+                           and not self._constant(r)]
             if not any(ev.kind == "remat" for ev in before):
                 remat_reads = []
             prefetch = [t for ev in before if ev.kind == "prefetch" for t in ev.tensors]
@@ -1006,12 +1011,35 @@ class _Interpreter:
         return self._primitive(version) in _LAYOUT_FOLDING
 
     def _constant(self, version: int) -> bool:
-        """Whether ``version`` is computed from literals only (``ones_like``, ``iota``).
+        """Whether ``version`` is computed from literals only (``ones_like``, ``iota``,
+        ``1 - stop_gradient(0.1)``), through any number of ops.
 
-        The simplifier folds such values into their readers (``1 * x`` is ``x``).
+        The simplifier folds such values into their readers (``1 * x`` is ``x``;
+        ``x / (1 - 0.1)`` becomes ``x * 1.1111112``, Equinox's dropout): a barrier on
+        one hides the constant, and the reader computes other bits.
         """
-        ev = self.made_by.get(version)
-        return ev is not None and all(r is None for r in ev.reads)
+        memo = self._constants
+        todo = [version]
+        while todo:  # depth first, without recursion: chains of ops can be long
+            v = todo[-1]
+            if v in memo:
+                todo.pop()
+                continue
+            ev = self.made_by.get(v)
+            if ev is None:
+                memo[v] = False
+                todo.pop()
+                continue
+            reads = [r for r in ev.reads if r is not None]
+            if any(memo.get(r) is False for r in reads):
+                memo[v] = False
+            elif all(r in memo for r in reads):
+                memo[v] = True
+            else:
+                todo.extend(r for r in reads if r not in memo)
+                continue
+            todo.pop()
+        return memo[version]
 
     def _opaque(self, version: int) -> bool:
         """Whether the simplifier does not look through ``version``'s producer."""

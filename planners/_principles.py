@@ -21,7 +21,15 @@ The registry (:func:`jaxmem.planners.register`) wraps each planner function so t
   (the segment planners rely on it);
 * under ``bitwise=True``, a re-issued product also re-issues its operands that
   scale a matmul's output by a constant (:func:`scaled_operands`), or the
-  re-issued copy would multiply in another order than the plain step.
+  re-issued copy would multiply in another order than the plain step;
+* under ``bitwise=True``, no plan re-issues a buffer that applies a random mask
+  (dropout's ``select_n(mask, x / keep, 0)``, ``mask * x / keep``, a sum it is fused
+  into) and that a reduction reads
+  (:func:`masked_sums`). XLA:CPU fuses the re-issued copy, mask unpacking from the
+  random bits included, into the reductions that read it (a LayerNorm's mean and
+  its gradient's sums), where the plain step reads a buffer, and the fused sums
+  add in another order: GPT-2's embedding dropout re-issued changed 56,838 of its
+  gradient elements. The re-issue is dropped and the plan re-simulated.
 
 >>> import jax, jax.numpy as jnp
 >>> from jaxmem.graph import build_graph
@@ -192,6 +200,116 @@ def with_scaled_operands(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
     return kept.replace(predicted_peak_bytes=peak, status=status)
 
 
+# A random mask's source (see :func:`masked_sums`).
+_RANDOM_BITS = frozenset({"random_bits", "threefry2x32"})
+
+
+def masked_sums(graph: Any) -> frozenset[int]:
+    """Buffers that apply a random mask (dropout) and that a reduction reads.
+
+    A buffer (``Tensor.materialized``) made by an elementwise op (dropout's
+    ``select_n``, ``mask * x / keep``, the residual sum ``x + dropout(h)`` it is fused
+    into) one of whose operands is computed from ``random_bits`` through values XLA
+    fuses, and read by a reduction directly or through fused values (views,
+    elementwise ops).
+    A masked value only matmuls read (attention-probability dropout) is not one:
+    its re-issue stays a buffer of its own.
+    """
+    from jaxmem.materialize import is_fusible
+    from jaxmem.view import REDUCTIONS
+
+    tensors, ops = graph.tensors, graph.ops
+    random: dict[int, bool] = {}
+
+    def from_random(t: int) -> bool:
+        """Whether ``t`` is random bits, or fused from them."""
+        todo, seen = [t], set()
+        while todo:
+            u = todo.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            if u in random:
+                if random[u]:
+                    return True
+                continue
+            made = tensors[u].producer
+            if made is None:
+                continue
+            if ops[made].primitive in _RANDOM_BITS:
+                return True
+            if not tensors[u].materialized:
+                todo.extend(ops[made].inputs)
+        return False
+
+    def summed(t: int) -> bool:
+        """Whether a reduction reads ``t``, directly or through fused values."""
+        todo, seen = [t], set()
+        while todo:
+            u = todo.pop()
+            for op in tensors[u].consumers:
+                if ops[op].primitive in REDUCTIONS:
+                    return True
+                for w in ops[op].outputs:
+                    if w not in seen and not tensors[w].materialized:
+                        seen.add(w)
+                        todo.append(w)
+        return False
+
+    out = set()
+    for op in ops:
+        if not is_fusible(op.primitive) or len(op.outputs) != 1:
+            continue
+        t = op.outputs[0]
+        if not tensors[t].materialized:
+            continue
+        masked = False
+        for u in op.inputs:
+            if u not in random:
+                random[u] = from_random(u)
+            masked = masked or random[u]
+        if masked and summed(t):
+            out.add(t)
+    return frozenset(out)
+
+
+def without_masked_sums(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
+    """``plan`` without re-issues of :func:`masked_sums`, re-simulated."""
+    dropped = sorted(set(plan.remat) & masked_sums(graph)) if plan.remat else []
+    if not dropped:
+        return plan
+    kept = plan.replace(remat={t: p for t, p in plan.remat.items() if t not in dropped})
+    placed = [t for t, where in kept.placement.items() if where == "pinned_host"]
+    if placed:
+        from jaxmem import placement as placement_lib
+
+        peak = placement_lib.simulate_plan(graph, kept).peak_bytes
+    else:
+        peak = plan_lib.simulate_plan(graph, kept).peak_bytes
+    status = kept.status
+    if status == "ok" and peak > kept.budget_bytes:
+        status = "over_budget"
+    names = ", ".join(f"t{t}" for t in dropped[:8]) + (", ..." if len(dropped) > 8 else "")
+    logger.info("%s: dropped the re-issues of %d randomly masked values read by sums (%s)",
+                plan.planner, len(dropped), names)
+    return kept.replace(
+        predicted_peak_bytes=peak, status=status,
+        notes=(*kept.notes, f"dropped the re-issues of {len(dropped)} randomly masked "
+                            f"value{'s' if len(dropped) > 1 else ''} read by sums ({names}): "
+                            f"XLA:CPU fuses a re-issued copy into the sums, which then add "
+                            f"in another order than the plain step's"))
+
+
+def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool = True
+               ) -> plan_lib.Plan:
+    """``plan`` under the rules of the module docstring that follow planning: no decision on
+    constants; under ``bitwise``, no re-issued masked sum and the scaled operands added."""
+    plan = without_constant_decisions(graph, plan, cost_model)
+    if not bitwise:
+        return plan
+    return with_scaled_operands(graph, without_masked_sums(graph, plan))
+
+
 def principled(name: str, fn: Callable[..., plan_lib.Plan],
                check: Callable[[Mapping[str, Any] | None], Any] | None) -> Callable[..., Any]:
     """``fn`` under the rules of the module docstring; ``check(options)`` validates options."""
@@ -210,8 +328,7 @@ def principled(name: str, fn: Callable[..., plan_lib.Plan],
         plan = fn(graph, budget_bytes, cost_model, options)
 
         def exact(p: plan_lib.Plan) -> plan_lib.Plan:
-            p = without_constant_decisions(graph, p, cost_model)
-            return with_scaled_operands(graph, p) if (options or {}).get("bitwise", True) else p
+            return made_exact(graph, p, cost_model, bool((options or {}).get("bitwise", True)))
 
         return exact(plan).replace(alternatives=tuple(exact(a) for a in plan.alternatives))
 

@@ -247,7 +247,10 @@ def test_fused_segments_are_exact_on_32_bit_steps_and_close_on_16_bit_ones(
     import jaxmem.models as zoo
     from jaxmem import emit as emit_lib
 
-    zs = zoo.build(model, "tiny", step="grad")
+    # Without dropout: under bitwise=True the planners also leave dropout-masked values
+    # that a sum reads where the forward pass made them (tests/test_dropout_exact.py), so
+    # the two settings' plans would differ for that reason too.
+    zs = zoo.build(model, "tiny", step="grad", dropout=0.0)
     g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,
                     arg_roles=zs.arg_roles, target="cpu")
     assert sublinear.fused_segments_are_exact(g) == exact_when_fused
