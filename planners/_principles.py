@@ -105,16 +105,12 @@ def without_constant_decisions(graph: Any, plan: plan_lib.Plan, cost_model: Any
 
     kept = plan.replace(offload={t: p for t, p in plan.offload.items() if t not in constant},
                         remat={t: p for t, p in plan.remat.items() if t not in buffers})
-    placed = [t for t, where in kept.placement.items() if where == "pinned_host"]
-    peak = (placement_lib.simulate_plan(graph, kept) if placed
-            else plan_lib.simulate_plan(graph, kept)).peak_bytes
+    peak, status = _resimulated(graph, kept)
     time_s = plan.predicted_time_s
     if cost_model is not None and time_s is not None:
+        placed = [t for t, where in kept.placement.items() if where == "pinned_host"]
         time_s = estimate_time_s(graph, kept.replace(placement={}, host_update=()), cost_model)
         time_s += placement_lib.update_time_s(graph, cost_model, placed, kept.host_update)
-    status = plan.status
-    if status == "ok" and peak > plan.budget_bytes:
-        status = "over_budget"
     names = ", ".join(f"t{t}" for t in dropped[:8]) + (", ..." if len(dropped) > 8 else "")
     logger.info("%s: dropped the decisions on %d values computed from constants only (%s)",
                 plan.planner, len(dropped), names)
@@ -187,17 +183,23 @@ def with_scaled_operands(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
     logger.info("%s: re-issuing the scaled matmul outputs %s with the products that read them",
                 plan.planner, sorted(extra))
     kept = plan.replace(remat={**plan.remat, **extra})
-    placed = [t for t, where in kept.placement.items() if where == "pinned_host"]
+    peak, status = _resimulated(graph, kept)
+    return kept.replace(predicted_peak_bytes=peak, status=status)
+
+
+def _resimulated(graph: Any, plan: plan_lib.Plan) -> tuple[int, str]:
+    """The simulated peak of a plan a rule changed, and its status against its budget."""
+    placed = [t for t, where in plan.placement.items() if where == "pinned_host"]
     if placed:
         from jaxmem import placement as placement_lib
 
-        peak = placement_lib.simulate_plan(graph, kept).peak_bytes
+        peak = placement_lib.simulate_plan(graph, plan).peak_bytes
     else:
-        peak = plan_lib.simulate_plan(graph, kept).peak_bytes
-    status = kept.status
-    if status == "ok" and peak > kept.budget_bytes:
+        peak = plan_lib.simulate_plan(graph, plan).peak_bytes
+    status = plan.status
+    if status == "ok" and peak > plan.budget_bytes:
         status = "over_budget"
-    return kept.replace(predicted_peak_bytes=peak, status=status)
+    return peak, status
 
 
 # A random mask's source (see :func:`masked_sums`).
@@ -279,16 +281,7 @@ def without_masked_sums(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
     if not dropped:
         return plan
     kept = plan.replace(remat={t: p for t, p in plan.remat.items() if t not in dropped})
-    placed = [t for t, where in kept.placement.items() if where == "pinned_host"]
-    if placed:
-        from jaxmem import placement as placement_lib
-
-        peak = placement_lib.simulate_plan(graph, kept).peak_bytes
-    else:
-        peak = plan_lib.simulate_plan(graph, kept).peak_bytes
-    status = kept.status
-    if status == "ok" and peak > kept.budget_bytes:
-        status = "over_budget"
+    peak, status = _resimulated(graph, kept)
     names = ", ".join(f"t{t}" for t in dropped[:8]) + (", ..." if len(dropped) > 8 else "")
     logger.info("%s: dropped the re-issues of %d randomly masked values read by sums (%s)",
                 plan.planner, len(dropped), names)

@@ -73,7 +73,7 @@ def _case(kind: str):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_step_with_a_key_runs_planned_and_bitwise(kind):
-    """The issue's repro: the step crashed in the view's sizing before any planning."""
+    """A keyed step crashed in the view's sizing before any planning."""
     step, args = _dropout_step(kind, layers=2)
     out = jaxmem.optimize(step, config=jaxmem.Config(budget="1GiB", target="cpu"))(*args)
     _assert_bitwise(jax.jit(step)(*args), out)
