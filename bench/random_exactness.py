@@ -80,17 +80,19 @@ def random_order(view: Any, seed: int) -> tuple[int, ...]:
 
 
 def random_plan(graph: Any, mode: str, frac: float, seed: int) -> Any:
-    """``greedy`` at ``frac`` of the simulated peak, or every candidate re-issued
-    (``"remat"``) or offloaded (``"offload"``) in a random valid order."""
+    """``greedy`` at ``frac`` of the simulated peak, as registered (under the rules every
+    planner's plans obey: :mod:`jaxmem.planners._principles`), or every candidate re-issued
+    (``"remat"``) or offloaded (``"offload"``) in a random valid order, under the same rules."""
+    import jaxmem.planners as registry
     from jaxmem import plan as plan_lib
     from jaxmem.costmodel import CostModel
-    from jaxmem.planners import greedy
+    from jaxmem.planners import _principles, greedy
 
     cpu = CostModel.for_target("cpu")
     if mode == "greedy":
         budget = int(frac * plan_lib.simulate_plan(graph, plan_lib.unplanned(graph)).peak_bytes)
-        return greedy.plan_greedy(graph, max(budget, 1), cpu, {})
-    plan = greedy.split_every(graph, cpu, mode)
+        return registry.get("greedy").fn(graph, max(budget, 1), cpu, {})
+    plan = _principles.made_exact(graph, greedy.split_every(graph, cpu, mode), cpu)
     return plan.replace(order=random_order(plan_lib.view(graph), seed))
 
 
