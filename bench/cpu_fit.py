@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
+from bench import random_exactness
+
 # Budget fractions of the plain step's compiled bytes.
 FRACTIONS = (0.5, 0.7, 0.85)
 # Operations of the random programs (each reads and writes a [rows, width] activation).
@@ -62,32 +64,8 @@ def residual_mlp(layers: int, rows: int, width: int, seed: int = 0) -> Program:
 
 def random_program(spec: tuple[str, ...], rows: int, width: int, seed: int) -> Program:
     """Gradient of a loss over the composition ``spec`` (names from :data:`OPS`)."""
-    import jax
-    import jax.numpy as jnp
-
-    n_w = sum(op in ("matmul", "residual", "mlp") for op in spec)
-    keys = jax.random.split(jax.random.PRNGKey(seed), n_w + 1)
-    ws = [jax.random.normal(k, (width, width)) / width for k in keys[:-1]]
-    x = jax.random.normal(keys[-1], (rows, width))
-
-    def loss(ws: Any, x: Any) -> Any:
-        ws = iter(ws)
-        for op in spec:
-            if op == "matmul":
-                x = x @ next(ws)
-            elif op == "residual":
-                x = x + jnp.tanh(x @ next(ws))
-            elif op == "mlp":
-                x = x + jax.nn.relu(x @ next(ws)) * jnp.sin(x)
-            elif op == "elementwise":
-                x = jnp.sin(x) * x + 0.5
-            elif op == "reduce":
-                x = x - jnp.mean(x, axis=-1, keepdims=True)
-            elif op == "broadcast":
-                x = x * jnp.mean(x, axis=0)[None, :]
-        return jnp.sum(x ** 2)
-
-    return Program(f"random-{seed}-{'.'.join(spec)}", jax.grad(loss), (ws, x))
+    fn, args = random_exactness.random_program(list(spec), width, seed, rows=rows)
+    return Program(f"random-{seed}-{'.'.join(spec)}", fn, args)
 
 
 def programs(count: int) -> Iterator[Program]:

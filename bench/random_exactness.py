@@ -26,16 +26,17 @@ OPS = ("matmul", "residual", "elementwise", "reduce", "reshape", "broadcast")
 MODES = ("greedy", "remat", "offload")
 
 
-def random_program(spec: list[str], width: int, seed: int) -> tuple[Callable[..., Any], Any]:
-    """The gradient of a loss over the composition ``spec`` (names from :data:`OPS` and
-    ``"max"``), and its example arguments."""
+def random_program(spec: list[str], width: int, seed: int, rows: int = 6
+                   ) -> tuple[Callable[..., Any], Any]:
+    """The gradient of a loss over the composition ``spec`` (names from :data:`OPS`,
+    ``"max"`` and ``"mlp"``), and its example arguments (an input of ``rows`` rows)."""
     import jax
     import jax.numpy as jnp
 
-    n_w = sum(op in ("matmul", "residual") for op in spec)
+    n_w = sum(op in ("matmul", "residual", "mlp") for op in spec)
     keys = jax.random.split(jax.random.PRNGKey(seed), n_w + 1)
     weights = [jax.random.normal(k, (width, width)) / width for k in keys[:n_w]]
-    x = jax.random.normal(keys[-1], (6, width))
+    x = jax.random.normal(keys[-1], (rows, width))
 
     def loss(ws: Any, x: Any) -> Any:
         ws = iter(ws)
@@ -44,6 +45,8 @@ def random_program(spec: list[str], width: int, seed: int) -> tuple[Callable[...
                 x = x @ next(ws)
             elif op == "residual":
                 x = x + jnp.tanh(x @ next(ws))
+            elif op == "mlp":
+                x = x + jax.nn.relu(x @ next(ws)) * jnp.sin(x)
             elif op == "elementwise":
                 x = jnp.sin(x) * x + 0.5
             elif op == "reduce":
