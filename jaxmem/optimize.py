@@ -633,6 +633,34 @@ def _tuple(x: Any, kind: type) -> tuple[Any, ...]:
     return (x,) if isinstance(x, kind) else tuple(x)
 
 
+def _nnx_aware(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, called with Flax NNX graph nodes (Modules, Optimizers, Variables) among
+    the arguments, goes to this step wrapped in ``nnx.jit`` instead (made once, with the
+    same static and donated arguments), so that the objects the step updates in place are
+    updated as ``nnx.jit`` updates them; ``jax.jit`` would drop those updates silently."""
+
+    @functools.wraps(method)
+    def routed(self: "Optimized", *args: Any, **kwargs: Any) -> Any:
+        if type(self) is Optimized and _has_graph_nodes(args, kwargs):
+            return getattr(self._as_nnx_jit(), method.__name__)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return routed
+
+
+def _has_graph_nodes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a Flax NNX graph node is among ``args``/``kwargs`` (none can be when the
+    step's caller never imported ``flax.nnx``)."""
+    import sys
+
+    if "flax.nnx" not in sys.modules:
+        return False
+    from flax.nnx import graph as nnx_graph
+
+    leaves = jax.tree_util.tree_leaves((args, kwargs), is_leaf=nnx_graph.is_graph_node)
+    return any(nnx_graph.is_graph_node(x) for x in leaves)
+
+
 class Optimized:
     """A step planned to fit its budget; see :func:`optimize`."""
 
@@ -691,6 +719,23 @@ class Optimized:
             return self
         return _Bound(self, instance)
 
+    def _as_nnx_jit(self) -> "_NnxOptimized":
+        """This step under ``nnx.jit`` (same static and donated arguments); made once."""
+        with self._lock:
+            twin = self.__dict__.get("_nnx_twin")
+            if twin is None:
+                from flax import nnx
+
+                jitted = nnx.jit(self.fun, static_argnums=self.static_argnums,
+                                 static_argnames=self.static_argnames,
+                                 donate_argnums=self.donate_argnums,
+                                 donate_argnames=self.donate_argnames)
+                twin = self._nnx_twin = _NnxOptimized(jitted, self.config)
+                logger.info("jaxmem.optimize(%s): Flax NNX objects among the arguments; the "
+                            "step is planned under nnx.jit, which writes their updates back",
+                            getattr(self.fun, "__name__", self.fun))
+            return twin
+
     def _as_method(self) -> "Optimized":
         """This step with argument 0 (the instance, wrapped in ``_Static``) static; made once."""
         with self._lock:
@@ -714,10 +759,12 @@ class Optimized:
 
     # ### Public surface
 
+    @_nnx_aware
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, dyn, rebuild = self._split(args, kwargs)
         return self._entry(key, dyn, rebuild).run(*dyn)
 
+    @_nnx_aware
     def plan(self, *args: Any, **kwargs: Any) -> plan_lib.Plan:
         """The plan for these arguments (traced and planned, not compiled or verified).
 
@@ -760,11 +807,13 @@ class Optimized:
             self._counters["planning_s"] += time.perf_counter() - began
         return plan.replace(graph=graph)
 
+    @_nnx_aware
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The emitted (planned and verified) step lowered for these arguments."""
         key, dyn, rebuild = self._split(args, kwargs)
         return self._entry(key, dyn, rebuild).jitted.lower(*dyn)
 
+    @_nnx_aware
     def measure(self, *args: Any, target: Any = None) -> Any:
         """``jaxmem.measure`` of the planned step on ``target`` (default: the config's)."""
         from jaxmem.measure import measure
@@ -776,7 +825,15 @@ class Optimized:
 
     def cache_info(self) -> CacheInfo:
         """Signatures planned so far, planner calls and their time, verify compiles and
-        fallbacks."""
+        fallbacks (calls with Flax NNX objects included)."""
+        twin = self.__dict__.get("_nnx_twin")
+        if twin is not None:
+            mine, theirs = self._cache_info(), twin.cache_info()
+            return CacheInfo(**{f.name: getattr(mine, f.name) + getattr(theirs, f.name)
+                                for f in dataclasses.fields(CacheInfo)})
+        return self._cache_info()
+
+    def _cache_info(self) -> CacheInfo:
         return CacheInfo(entries=len(self._entries), plans=int(self._counters["plans"]),
                          compiles=int(self._counters["compiles"]),
                          fallbacks=int(self._counters["fallbacks"]),
@@ -784,17 +841,20 @@ class Optimized:
                          disk_misses=sum(d.misses for d in self._disk.values()),
                          planning_s=float(self._counters["planning_s"]))
 
+    @_nnx_aware
     def block_plan(self, *args: Any, **kwargs: Any) -> Any:
         """The decision table chosen for the step's ``jaxmem.remat`` blocks, as a
         :class:`jaxmem.scanplan.BlockPlan` (``None`` when the step has none)."""
         key, dyn, rebuild = self._split(args, kwargs)
         return self._entry(key, dyn, rebuild).block_plan
 
+    @_nnx_aware
     def rounds(self, *args: Any, **kwargs: Any) -> tuple[Round, ...]:
         """The verify rounds of these arguments' signature (plans, compiled bytes)."""
         key, dyn, rebuild = self._split(args, kwargs)
         return self._entry(key, dyn, rebuild).rounds
 
+    @_nnx_aware
     def verified(self, *args: Any, **kwargs: Any) -> Verified:
         """Plan, emit and verify for these arguments (once per signature); what it settled on.
 
