@@ -18,7 +18,7 @@ Modes:
   place (``JAXMEM_LEVEL=4``).
 * ``opt_state``: every optimizer-state input placed on pinned host, as
   ZeRO-Offload does. A compile-only target cannot take arguments in host
-  memory (DESIGN.md §3: the sharding's memory kind is dropped), so the placed
+  memory (docs/targets.md: the sharding's memory kind is dropped), so the placed
   state still arrives as a device argument there and its donated update stays
   on the device. The step is planned at ``budget + placed bytes``, emitted
   with the placement and compiled (planned again at a lower budget, three
@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported (DESIGN.md §3)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ depend on the budget -- and give one record per budget (``ok`` or
 ``jaxmem.optimize``; a planner that cannot run yet, or any failing compile,
 gives ``status: "error: ..."`` and the run goes on.
 
-Record fields beyond DESIGN.md §4: ``kind`` (peer or planner), ``budget``
+Record fields beyond those of docs/measurement.md: ``kind`` (peer or planner), ``budget``
 (as written), ``step``, ``variant`` (``unrolled``/``scan``), the memory parts
 and cost figures of :class:`jaxmem.measure.Report`, ``peak_ratio``,
 ``flops_ratio``, ``est_time_ratio`` and ``cpu_step_time_ratio`` (to ``none``

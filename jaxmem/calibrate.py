@@ -1,7 +1,7 @@
 """Check the simulator against XLA: predicted vs compiled device bytes, and XLA's own buffers.
 
 The compiled figure is temp + argument + output - alias bytes of
-``memory_analysis()`` for the step compiled for the target (DESIGN.md §4).
+``memory_analysis()`` for the step compiled for the target (docs/measurement.md).
 :func:`read_buffer_assignment` parses the buffer assignment XLA dumps with
 ``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text`` (the ground truth the
 materialization rules in ``docs/materialization.md`` were derived from).

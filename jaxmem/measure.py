@@ -2,7 +2,7 @@
 
 Memory figures come from XLA's compiled ``memory_analysis()``: the device
 total is temp + arguments + outputs - aliased (donated) bytes, the figure
-every jaxmem comparison uses (DESIGN.md §4); XLA's ``peak_memory_in_bytes``
+every jaxmem comparison uses (docs/measurement.md); XLA's ``peak_memory_in_bytes``
 is kept beside it. FLOPs, bytes and host copies come from :mod:`jaxmem.hlo`
 (loop bodies times their trip counts); the step time from
 :mod:`jaxmem.costmodel` -- an estimate, never a measurement.

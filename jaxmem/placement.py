@@ -6,7 +6,7 @@ device right before its first reader, and its update, the output at the same
 path of the new state, is written back to host as soon as it is computed).
 :func:`simulate_plan` scores such a plan the way the compiled step is
 verified, on a compile-only target: an argument cannot carry a host memory
-kind there (DESIGN.md §3), so it still holds its device buffer for the whole
+kind there (docs/targets.md), so it still holds its device buffer for the whole
 step; the prefetched copy is a device buffer from the first reader to the
 last; the update is a device buffer only until its copy to host, instead of
 an output buffer for the whole step. Placement thus pays on the device when

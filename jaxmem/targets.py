@@ -4,7 +4,7 @@ A :class:`Target` knows the facts the planner and the cost model need (memory
 size, HBM bandwidth, peak FLOP/s per dtype, host-link bandwidth per direction)
 and hands out devices to compile for. ``h100`` and ``h200`` are *compile-only*
 CUDA devices built by XLA from a ``GpuTargetConfigProto`` written from public
-specifications (DESIGN.md §3): XLA's GPU compiler runs, and
+specifications (docs/targets.md): XLA's GPU compiler runs, and
 ``memory_analysis()`` reports the GPU buffer assignment, with no GPU present.
 ``cpu`` compiles for the host CPU with XLA's memory-optimized scheduler; its
 recomputations survive XLA:CPU's common-subexpression elimination, so remat

@@ -1,6 +1,6 @@
 """The jaxmem model zoo: Flax train steps used by tests, bench and users.
 
-Six models (DESIGN.md §5), each with a ``tiny`` size for tests and a
+Six models, each with a ``tiny`` size for tests and a
 ``bench`` size that is a real single-GPU workload: ``mlp``, ``vgg16``,
 ``resnet50``, ``unet``, ``gpt2`` and ``llama``. :func:`build` returns a
 :class:`ZooStep`: the pure step function, abstract example arguments (nothing

@@ -21,7 +21,7 @@ StepKind = Literal["train", "grad"]
 Size = Literal["tiny", "small", "bench"]
 
 # tiny: tests (compiles in seconds); small: a step a 2-core CPU runs in about 0.1-0.6 s, to
-# time plans on the CPU; bench: the real single-GPU workload of DESIGN.md section 5.
+# time plans on the CPU; bench: a real single-GPU workload.
 SIZES: tuple[str, ...] = ("tiny", "small", "bench")
 STEPS: tuple[str, ...] = ("train", "grad")
 
@@ -109,7 +109,7 @@ def build(name: str, size: Size | str = "tiny", *, step: StepKind | str = "train
       name: a model from :func:`names`.
       size: ``"tiny"`` (tests: compiles in seconds), ``"small"`` (a step a 2-core
         CPU runs in about 0.1-0.6 s, to time plans on the CPU) or ``"bench"`` (the real
-        single-GPU workload of DESIGN.md §5).
+        single-GPU workload).
       step: ``"train"`` (loss, gradients and an AdamW update) or ``"grad"``
         (``jax.value_and_grad`` of the loss over all parameters).
       policy: a peer from ``jaxmem.models.POLICIES``, applied to every repeated block.

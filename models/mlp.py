@@ -1,4 +1,4 @@
-"""``mlp``: the residual MLP of the DESIGN.md §3 probe.
+"""``mlp``: the residual MLP that probes compile-only H100 memory (docs/targets.md).
 
 Each layer is ``x = x + gelu(x @ w1) @ w2`` with no biases and
 ``jax.nn.gelu``'s default (tanh) approximation; the loss is the summed square
@@ -98,5 +98,5 @@ SPEC = ModelSpec(
     inputs=lambda b: (b["x"],),
     loss=_loss,
     has_scan=True,
-    doc="residual MLP (DESIGN.md §3 probe), summed squared output",
+    doc="residual MLP (the compile-only H100 probe), summed squared output",
 )

@@ -43,7 +43,7 @@ PolicyName = Literal[
     "save_qkv_proj", "save_dot_except_mlpwi", "qkv_proj_offloaded", "minimal_offloaded",
 ]
 
-# Where offloaded residuals go: XLA memory kinds (DESIGN.md §3).
+# Where offloaded residuals go: XLA memory kinds (docs/targets.md).
 OFFLOAD_SRC = "device"
 OFFLOAD_DST = "pinned_host"
 

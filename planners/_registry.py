@@ -46,7 +46,7 @@ COMMON_OPTIONS = frozenset({"allow_remat", "allow_offload", "allow_reorder", "al
 # kind of decision they always make).
 HONOURS_ALLOW = frozenset({"greedy", "cpsat"})
 
-# Peers: the stock JAX checkpoint policies and MaxText-style presets (DESIGN.md §6).
+# Peers: the stock JAX checkpoint policies and MaxText-style presets (docs/measurement.md).
 _PEERS = {
     "none": "XLA as is: no remat, no offload",
     "full": "jax.checkpoint per block saving nothing (nothing_saveable)",

@@ -352,7 +352,7 @@ def test_compiles_for_every_target(target: str, name: str, scan: bool, step: str
 
 
 def test_mlp_bench_reproduces_the_design_probe() -> None:
-    """The zoo's mlp equals a hand-written JAX MLP (DESIGN.md §3) in compiled H100 memory."""
+    """The zoo's mlp equals a hand-written JAX MLP (docs/targets.md) in compiled H100 memory."""
     t = targets.get("h100")
 
     def loss(ws: list[tuple[jax.Array, jax.Array]], x: jax.Array) -> jax.Array:
