@@ -106,7 +106,7 @@ class Options:
     sweep: bool = False
     sweep_factor: float = 0.8
     sweep_min: float = 0.05
-    bitwise: bool = True
+    bitwise: bool | str = "auto"
     op_times: str = "roofline"
 
 
@@ -143,10 +143,15 @@ def parser() -> argparse.ArgumentParser:
                    help="timed runs per step with --cpu-time, after one warm-up (default: 5)")
     p.add_argument("--append", action="store_true",
                    help="append to OUT/results.jsonl instead of replacing it")
-    p.add_argument("--not-bitwise", dest="bitwise", action="store_false",
+    p.add_argument("--not-bitwise", dest="bitwise", action="store_const", const=False,
+                   default="auto",
                    help="plan with jaxmem.Config(bitwise=False): planners may recompute values "
                         "XLA fuses into summations (gradients within a few ulps, as under "
-                        "jax.checkpoint); records carry bitwise=false")
+                        "jax.checkpoint); records carry bitwise=false. The default is "
+                        "jaxmem.Config's, bitwise='auto'")
+    p.add_argument("--strict-bitwise", dest="bitwise", action="store_const", const=True,
+                   help="plan with jaxmem.Config(bitwise=True): a 16-bit step that no "
+                        "bit-exact plan fits is infeasible instead of relaxed")
     p.add_argument("--op-times", choices=("roofline", "profile"), default="roofline",
                    help="how planners price ops: the target's roofline (default), or a trial run "
                         "of the plain step under jax.profiler on the CPU, scaled to the target's "

@@ -1,4 +1,4 @@
-"""Largest batch with and without state placement; the ZeRO-Offload anchor (issue 9).
+"""Largest batch with and without state placement; the ZeRO-Offload anchor.
 
 ``python -m bench.placement_batch MODEL [--scan] [--modes none,opt_state] [--out DIR]``
 

@@ -198,7 +198,7 @@ def _predict(zoo: Any, target: targets.Target) -> int | None:
 
 
 def _planned(name: str, zoo: Any, budget_bytes: int | None, target: targets.Target,
-             reference: _Outcome, time_limit_s: float = 60.0, *, bitwise: bool = True,
+             reference: _Outcome, time_limit_s: float = 60.0, *, bitwise: bool | str = "auto",
              op_times: str = "roofline") -> _Outcome:
     """Plan, emit and compile the step with planner ``name`` through ``jaxmem.optimize``."""
     if zoo is None:
@@ -238,11 +238,11 @@ def _plan_of(step: Any, args: tuple[Any, ...]) -> Any:
 
 
 def _optimize(name: str, zoo: Any, budget_bytes: int, target: targets.Target,
-              time_limit_s: float = 60.0, *, bitwise: bool = True,
+              time_limit_s: float = 60.0, *, bitwise: bool | str = "auto",
               op_times: str = "roofline") -> Any:
     """The step planned by ``name``: ``jaxmem.optimize(fn, config=jaxmem.Config(...))``.
 
-    This is the one place that knows the optimize API (issue 3): a budget in
+    This is the one place that knows the optimize API: a budget in
     bytes, the target's name and the planner's name go into ``Config``; the
     zoo step's donation is passed through.
     """

@@ -27,7 +27,7 @@ import jax
 logger = logging.getLogger(__name__)
 
 # Bumped whenever the Plan format or the planners change what they would return.
-CACHE_FORMAT = 2  # 2: the sixth session's planner changes (keep_matmuls_fit, cpsat warm start)
+CACHE_FORMAT = 3  # 3: bitwise="auto", the exactness rules of every planner
 
 DEFAULT_DIR = Path(os.path.expanduser("~")) / ".cache" / "jaxmem" / "plans"
 

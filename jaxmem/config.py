@@ -138,19 +138,24 @@ class Config:
         no fraction); default 64 GiB.
       allow_remat / allow_offload / allow_reorder / allow_state_offload: what
         plans may do (state offload is planned by planners that support it).
-      bitwise: ``True`` (the default): plans keep the plain step's arithmetic, so
-        the planned step gives its loss and gradients bit for bit (on 32-bit
-        steps the remat planners recompute a softmax or norm whole, statistics
-        included, as ``jax.checkpoint`` does; on steps with 16-bit values that
-        changes XLA's rounding, so there they leave the values XLA fuses into a
-        summation where the forward pass made them). ``False``: the remat
-        planners (``sublinear``, ``chen``, the ``keep_matmuls`` planners, and
-        ``cpsat`` through them) recompute those
-        values on 16-bit steps too, for a lower peak, with gradients within a
-        few ulps of the plain step's, as under ``jax.checkpoint``. On target
-        ``cpu``, ``False`` also compiles with ``targets.CPU_KEEP_REMAT``: XLA:CPU
-        otherwise merges every recomputation back into its original, so no remat
-        saves memory there.
+      bitwise: ``"auto"`` (the default): plans keep the plain step's arithmetic,
+        so the planned step gives its loss and gradients bit for bit, wherever a
+        plan that does fits the budget; a step with 16-bit floating-point values
+        that no bit-exact plan fits is planned as with ``False`` instead, with one
+        warning that names the values recomputed whole (never further from the
+        plain step than ``jax.checkpoint`` around its layers would be). ``True``:
+        strictly bit for bit; a 16-bit step that no bit-exact plan fits raises
+        :class:`~jaxmem.InfeasibleBudgetError` (or runs over the budget with
+        ``on_over_budget="warn"``). Bit-exact plans of 32-bit steps recompute a
+        softmax or norm whole, statistics included, as ``jax.checkpoint`` does;
+        on 16-bit steps that changes XLA's rounding, so there they leave the values
+        XLA fuses into a summation where the forward pass made them. ``False``: the
+        remat planners (``sublinear``, ``chen``, the ``keep_matmuls`` planners,
+        and ``cpsat`` through them) recompute those values on 16-bit steps too,
+        for a lower peak, with gradients within a few ulps of the plain step's, as
+        under ``jax.checkpoint``. On target ``cpu``, ``False`` also compiles with
+        ``targets.CPU_KEEP_REMAT``: XLA:CPU otherwise merges every recomputation
+        back into its original, so no remat saves memory there.
       time_limit_s: wall time the planner may spend on a step, all verify
         rounds together: the first round gets half of it and the later rounds
         (re-plans after a compile over the budget) share the other half
@@ -185,7 +190,7 @@ class Config:
     allow_offload: bool = True
     allow_reorder: bool = True
     allow_state_offload: bool = False
-    bitwise: bool = True
+    bitwise: bool | str = "auto"
     time_limit_s: float = 60.0
     seed: int = 0
     on_over_budget: OnOverBudget = "raise"
@@ -206,10 +211,11 @@ class Config:
                         where=f"every target (the largest, {largest.name}, has "
                               f"{largest.memory_bytes:,} B)")
         parse_bytes(self.host_budget, "host_budget")
-        for name in ("allow_remat", "allow_offload", "allow_reorder", "allow_state_offload",
-                     "bitwise"):
+        for name in ("allow_remat", "allow_offload", "allow_reorder", "allow_state_offload"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Config({name}={getattr(self, name)!r}) must be True or False")
+        if not isinstance(self.bitwise, bool) and self.bitwise != "auto":
+            raise ValueError(f"Config(bitwise={self.bitwise!r}) must be 'auto', True or False")
         if not isinstance(self.time_limit_s, numbers.Real) \
                 or isinstance(self.time_limit_s, (bool, np.bool_)) \
                 or not math.isfinite(self.time_limit_s) or self.time_limit_s <= 0:
@@ -241,7 +247,7 @@ class Config:
         """The target: the named one, or for ``"auto"`` the device the arguments live on,
         with the compiler options of this config's exactness (``Target.for_bitwise``)."""
         target = _targets.get(self.target) if self.target != "auto" else target_of(args)
-        return target.for_bitwise(self.bitwise)
+        return target.for_bitwise(self.exact)
 
     def budget_bytes(self, target: "str | _targets.Target") -> int:
         """The device budget in bytes on ``target``."""
@@ -260,6 +266,11 @@ class Config:
         if self.plan_cache is True:
             return DEFAULT_DIR
         return Path(os.path.expanduser(os.fspath(self.plan_cache)))
+
+    @property
+    def exact(self) -> bool:
+        """Whether plans are made bit-exact (``bitwise`` is ``True`` or ``"auto"``)."""
+        return self.bitwise is not False
 
     @property
     def host_budget_bytes(self) -> int:
@@ -285,7 +296,7 @@ class Config:
         """The options every planner receives (in verify round ``round_index``)."""
         return {"allow_remat": self.allow_remat, "allow_offload": self.allow_offload,
                 "allow_reorder": self.allow_reorder,
-                "allow_state_offload": self.allow_state_offload, "bitwise": self.bitwise,
+                "allow_state_offload": self.allow_state_offload, "bitwise": self.exact,
                 "host_budget_bytes": self.host_budget_bytes,
                 "time_limit_s": self.round_time_limit_s(round_index), "seed": self.seed}
 

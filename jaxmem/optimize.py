@@ -373,6 +373,13 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         plan = chosen.plan.replace(status="ok", budget_bytes=budget, notes=notes,
                                    compiled_bytes=chosen.compiled_bytes)
         return plan, built[best][0], built[best][1], tuple(rounds)
+    if config.bitwise == "auto" and _bitwise_hint(graph, config):
+        # A 16-bit step no bit-exact plan fits: plan it as jax.checkpoint would recompute.
+        cost_model, cost_notes = planning_costs()
+        relaxed = _relaxed(graph, config, target, abstract_args, donate_argnums, counters,
+                           cost_model, cost_notes, arg_labels, chosen.compiled_bytes)
+        if relaxed is not None:
+            return relaxed
     tried = "; ".join(f"planner budget {format_bytes(r.planner_budget_bytes)} -> compiled "
                       f"{format_bytes(r.compiled_bytes)}" for r in rounds)
     tried += "".join(f" ({why})" for why in out_of_time) + _bitwise_hint(graph, config)
@@ -434,6 +441,49 @@ def argument_floor(graph: Any, args: Sequence[Any], donate_argnums: Sequence[int
     floor = max(sum(sizes), kept_bytes + outputs)
     big = sorted((x for x in kept if 10 * x[1] >= kept_bytes), key=lambda x: -x[1])[:4]
     return floor, tuple(big)
+
+
+def _relaxed(graph: Any, config: Config, target: targets_lib.Target,
+             abstract_args: Sequence[Any], donate_argnums: tuple[int, ...],
+             counters: dict[str, float], cost_model: Any, cost_notes: Sequence[str],
+             arg_labels: Sequence[int | str] | None, exact_bytes: int
+             ) -> tuple[plan_lib.Plan, Any, jax.stages.Compiled, tuple[Round, ...]] | None:
+    """``Config(bitwise="auto")`` on a 16-bit step that no bit-exact plan fits: the verified
+    plan made with ``bitwise=False`` when it fits (one warning names what it recomputes
+    whole), else ``None``."""
+    relaxed_config = dataclasses.replace(config, bitwise=False, on_over_budget="raise")
+    try:
+        plan, jitted, compiled, rounds = verify(
+            graph, relaxed_config, target.for_bitwise(False), abstract_args, donate_argnums,
+            counters, cost_model=cost_model, cost_notes=cost_notes, arg_labels=arg_labels)
+    except InfeasibleBudgetError as err:
+        logger.info("bitwise='auto': the relaxed plans do not fit either (%s)", err)
+        return None
+    whole = _recomputed_whole(graph, plan)
+    named = ", ".join(whole[:4]) + (f" and {len(whole) - 4} more" if len(whole) > 4 else "")
+    why = (f"no bit-exact plan of this 16-bit step fits {format_bytes(config.budget_bytes(target))}"
+           f" on {target.name} (the best compiled to {format_bytes(exact_bytes)}); it is planned "
+           f"as with Config(bitwise=False), which compiles to "
+           f"{format_bytes(plan.compiled_bytes or 0)}: it recomputes {len(whole)} 16-bit values "
+           f"({named}), those XLA fuses into summations among them, whole as jax.checkpoint "
+           f"does, so the loss and gradients may differ from the plain step's by a few ulps, "
+           f"as under jax.checkpoint. Config(bitwise=True) keeps the bits and raises instead")
+    logger.warning("%s", why)
+    return plan.replace(notes=(*plan.notes, f"bitwise='auto': {why}")), jitted, compiled, rounds
+
+
+def _recomputed_whole(graph: Any, plan: plan_lib.Plan) -> list[str]:
+    """The 16-bit floating-point values ``plan`` re-issues, by name and source line."""
+    import numpy as np
+
+    names = []
+    for t in sorted(plan.remat):
+        tensor = graph.tensors[t]
+        if np.dtype(tensor.dtype).itemsize == 2 and jax.numpy.issubdtype(tensor.dtype,
+                                                                          jax.numpy.floating):
+            label = f"{tensor.name or f't{t}'} {tensor.dtype}{list(tensor.shape)}"
+            names.append(f"{label} at {tensor.source}" if tensor.source else label)
+    return names
 
 
 def _bitwise_hint(graph: Any, config: Config) -> str:

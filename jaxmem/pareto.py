@@ -91,7 +91,7 @@ class Point:
       sweep: ``"grid"`` (a geometric step or a given budget) or
         ``"smallest_feasible"`` (the extra point at the budget a failure named).
       monotone: ``False`` when a higher budget of the same planner compiled to
-        fewer device bytes (issue 5's "Monotone" criterion; also logged).
+        fewer device bytes (monotone quality; also logged).
       report: the full :class:`~jaxmem.measure.Report` (not in the repr).
       step: the emitted step, ``jax.jit``-ed, called with the step's dynamic
         arguments (not in the repr).

@@ -1,4 +1,4 @@
-"""Weight-gradient-first backward order (issue 9 §2): an order heuristic and its planner.
+"""Weight-gradient-first backward order: an order heuristic and its planner.
 
 In a train step's program order, JAX's transpose already emits each layer's
 weight gradient right before its input gradient, but the optimizer update of

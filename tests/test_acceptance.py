@@ -1,4 +1,4 @@
-"""``python -m bench.acceptance``: issue 5's figures read from bench records."""
+"""``python -m bench.acceptance``: the acceptance figures read from bench records."""
 
 from __future__ import annotations
 

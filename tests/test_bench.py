@@ -172,7 +172,7 @@ def test_planner_dispatch_goes_through_optimize(tmp_path, fake_planner, monkeypa
     assert ok["status"] == "ok" and ok["predicted_peak_bytes"] == 12345
     assert ok["solve_time_s"] == 0.25 and ok["grads_match"] is True
     assert {"budget": 64 << 20, "target": "cpu", "planner": fake_planner,
-            "time_limit_s": 60.0, "bitwise": True, "op_times": "roofline"} in configs
+            "time_limit_s": 60.0, "bitwise": "auto", "op_times": "roofline"} in configs
 
 
 def test_failed_reference_leaves_fraction_budgets_unresolved(tmp_path):

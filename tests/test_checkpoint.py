@@ -1,4 +1,4 @@
-"""Checkpoint/restore of a training state that lives partly in pinned host memory (issue 9 §4).
+"""Checkpoint/restore of a training state that lives partly in pinned host memory.
 
 An ``mlp`` tiny train step (AdamW) runs under ``@jaxmem.optimize`` with state
 placement allowed and a budget only placement meets, so the plan keeps part
