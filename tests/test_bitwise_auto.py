@@ -31,17 +31,46 @@ def _layer_norm(x):
     return ((x32 - mean) * jax.lax.rsqrt(var + 1e-5)).astype(x.dtype)
 
 
-def _loss(params, x):
-    for wq, wk, w1, w2 in params:
-        h = _layer_norm(x)
-        scores = jnp.einsum("btd,bsd->bts", h @ wq, h @ wk) / np.sqrt(D).astype(x.dtype)
-        x = x + jax.nn.softmax(scores, axis=-1) @ h
-        x = x + jax.nn.gelu(_layer_norm(x) @ w1) @ w2
+def _layer(x, layer_params):
+    wq, wk, w1, w2 = layer_params
+    h = _layer_norm(x)
+    scores = jnp.einsum("btd,bsd->bts", h @ wq, h @ wk) / np.sqrt(D).astype(x.dtype)
+    x = x + jax.nn.softmax(scores, axis=-1) @ h
+    return x + jax.nn.gelu(_layer_norm(x) @ w1) @ w2
+
+
+def _loss(params, x, layer=_layer):
+    for layer_params in params:
+        x = layer(x, layer_params)
     return jnp.mean(x.astype(jnp.float32) ** 2)
 
 
 def step(params, x):
     return jax.value_and_grad(_loss)(params, x)
+
+
+# The stock policies a user would wrap each layer in instead.
+STOCK = {"nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+         "dots_saveable": jax.checkpoint_policies.dots_saveable,
+         "dots_with_no_batch_dims_saveable":
+             jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def _checkpointed(policy):
+    layer = jax.checkpoint(_layer, policy=policy)
+    return lambda params, x: jax.value_and_grad(lambda p, x: _loss(p, x, layer))(params, x)
+
+
+def _ulps(got, expected) -> float:
+    """The largest difference over the output leaves, in bf16 ulps of each leaf's largest
+    magnitude (2**-7 of the power of two at or below it)."""
+    worst = 0.0
+    for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        scale = np.max(np.abs(y))
+        ulp = 2.0 ** (np.floor(np.log2(scale)) - 7) if scale > 0 else 1.0
+        worst = max(worst, float(np.max(np.abs(x - y))) / ulp)
+    return worst
 
 
 def _args(dtype):
@@ -138,3 +167,19 @@ def test_auto_keeps_the_bits_where_an_exact_plan_fits():
 def test_bitwise_takes_auto_true_or_false_only(value):
     with pytest.raises(ValueError, match="must be 'auto', True or False"):
         jaxmem.Config(bitwise=value)
+
+
+def test_a_relaxed_plan_is_no_further_from_the_plain_step_than_the_stock_policies():
+    """The default's relaxed plan, run on the CPU, against each layer under ``jax.checkpoint``
+    with each stock policy: in bf16 ulps of each gradient's largest value, never further from
+    the plain step than the furthest stock policy. Everything compiles with JAX's own CPU
+    options, as a user runs it."""
+    budget = _between()
+    args = _args(jnp.bfloat16)
+    optimized = jaxmem.optimize(step, config=jaxmem.Config(
+        budget=budget, target="h100", planner="sublinear", time_limit_s=10))
+    assert any(n.startswith("bitwise='auto'") for n in optimized.verified(*args).plan.notes)
+    plain = jax.jit(step)(*args)
+    stock = {name: _ulps(jax.jit(_checkpointed(p))(*args), plain) for name, p in STOCK.items()}
+    relaxed = _ulps(optimized(*args), plain)
+    assert relaxed <= max(stock.values()), (relaxed, stock)
