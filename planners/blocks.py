@@ -2,12 +2,17 @@
 
 The flat-graph counterpart of wrapping every repeated layer of a model in
 ``jax.checkpoint`` (``nn.remat``), the way a user applies the stock policies,
-found without touching the model: the step's equations carry the module path
-they were traced in (``"ResNet/stage_1_block_2/conv_0"``), and the *blocks* are
-the runs of forward equations under one child of a module whose sequence of
+found without touching the model (:func:`detect_blocks`). Where the step's
+equations carry the module path they were traced in (Flax linen, Haiku,
+``jax.named_scope``: ``"ResNet/stage_1_block_2/conv_0"``), the *blocks* are the
+runs of forward equations under one child of a module whose sequence of
 primitives some sibling repeats (a ResNet's bottlenecks, a transformer's
-layers, a VGG's conv stages). The shallowest level with repeated children is
-used.
+layers, a VGG's conv stages); the shallowest level with repeated children is
+used. Where they do not (Flax NNX, Equinox, plain JAX), or where the forward
+pass's sequence of ops covers more of the step with repeats, the blocks are
+that sequence's repeats (:mod:`~jaxmem.planners._repeats`): a layer applied
+several times traces the same ops back to back, and the blocks start where the
+fewest bytes cross from one to the next (the residual stream between layers).
 
 What the plan keeps:
 
@@ -28,9 +33,11 @@ Everything else a block's backward pass reads is re-issued from those, once,
 before its first backward reader (:func:`~jaxmem.planners.sublinear.remat_points`,
 whose segments recompute the values XLA fuses into summations too where that
 keeps the plain step's bits, ``bitwise``). The plan does not depend on the
-budget, which only decides its status. A step without module paths (plain JAX
-functions) or without repeated children has no blocks: the plan then
-recomputes nothing and its notes say why. ``cpsat`` uses it as a warm start.
+budget, which only decides its status. A step with neither module paths whose
+children repeat nor a repeated sequence of at least
+:data:`~jaxmem.planners._repeats.MIN_OPS` forward ops holding a matmul or
+convolution has no blocks: the plan then recomputes nothing and its notes say
+why. ``cpsat`` uses it as a warm start.
 
 >>> import jax, jax.numpy as jnp
 >>> from jaxmem.graph import build_graph
@@ -49,6 +56,7 @@ recomputes nothing and its notes say why. ``cpsat`` uses it as a warm start.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import time
@@ -58,9 +66,18 @@ from jaxmem import plan as plan_lib
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import MemGraph
 from jaxmem.planners._registry import register
+from jaxmem.planners._repeats import MIN_OPS, repeated_blocks
 from jaxmem.planners.matmuls import makes_matmul
-from jaxmem.planners.sublinear import (Residuals, check_options, find_residuals, finish,
-                                       forward_cuts, fused_segments, profile, remat_points)
+from jaxmem.planners.sublinear import (
+    Residuals,
+    check_options,
+    find_residuals,
+    finish,
+    forward_cuts,
+    fused_segments,
+    profile,
+    remat_points,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +115,51 @@ def find_blocks(modules: Sequence[str], forward_ops: Sequence[int], primitives: 
     return 0, []
 
 
+@dataclasses.dataclass(frozen=True)
+class Detected:
+    """The repeated blocks of a step's forward pass and how they were found.
+
+    Attributes:
+      found: ``[(name, ops), ...]`` in forward order: each block's forward ops (a
+        module path, or ``repeat_<i>``, names it).
+      source: ``"module paths"``, ``"repeated ops"``, or ``""`` when none was found.
+      periods: for repeated ops, the ops per block of each run of blocks.
+    """
+
+    found: list[tuple[str, list[int]]]
+    source: str
+    periods: tuple[int, ...] = ()
+
+
+def detect_blocks(graph: MemGraph, res: Residuals, forward: Sequence[int],
+                  cuts: tuple[tuple[int, frozenset[int]], ...] | None = None,
+                  min_ops: int = MIN_OPS) -> Detected:
+    """The step's repeated layers, from its module paths or from its sequence of ops.
+
+    Module paths (:func:`find_blocks`) are the user's own names for the layers and
+    win unless the forward pass's repeated op sequences
+    (:func:`~jaxmem.planners._repeats.repeated_blocks`) cover more of its ops: a
+    Flax NNX step's only paths are its einsums' names, which repeat too.
+    ``forward``: the forward ops in ``res.order``; ``cuts``: their
+    :func:`~jaxmem.planners.sublinear.forward_cuts`, where the caller has them.
+    """
+    modules = graph.program.modules  # empty for programs built without trace()
+    if len(modules) != len(graph.ops):
+        modules = ("",) * len(graph.ops)
+    _, by_path = find_blocks(modules, forward, [op.primitive for op in graph.ops])
+    runs = repeated_blocks(graph, forward, forward_cuts(graph, res) if cuts is None else cuts,
+                           min_ops)
+    by_repeat = [(f"repeat_{i}", ops) for i, ops in enumerate(
+        ops for start, period, count in runs for ops in
+        (list(forward[start + j * period:start + (j + 1) * period]) for j in range(count)))]
+    if by_path and (sum(len(ops) for _, ops in by_path)
+                    >= sum(len(ops) for _, ops in by_repeat)):
+        return Detected(by_path, "module paths")
+    if by_repeat:
+        return Detected(by_repeat, "repeated ops", tuple(period for _, period, _ in runs))
+    return Detected([], "")
+
+
 def blocks(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
            options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
     """Keep block inputs (and, with ``save``, their matmuls); re-issue the rest of each block.
@@ -116,27 +178,34 @@ def blocks(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     started = time.perf_counter()
     res = find_residuals(graph, fused=fused_segments(graph, opts["bitwise"]))
     forward = [op for op in res.order if graph.ops[op].phase == "forward"]
-    modules = graph.program.modules  # empty for programs built without trace()
-    if len(modules) != len(graph.ops):
-        modules = ("",) * len(graph.ops)
-    _, found = find_blocks(modules, forward, [op.primitive for op in graph.ops])
+    cuts = forward_cuts(graph, res)
+    detected = detect_blocks(graph, res, forward, cuts)
+    found = detected.found
     if not found:
-        note = ("no repeated blocks: the step's equations carry no module paths with "
-                "repeated children (plain JAX without jax.named_scope, or no repeated "
-                "layers); nothing re-issued")
+        named = len(graph.program.modules) == len(graph.ops) and any(
+            graph.program.modules[op] for op in forward)
+        paths = ("its module paths name no repeated children" if named else
+                 "its equations carry no module paths (plain JAX without jax.named_scope, "
+                 "Flax NNX, Equinox)")
+        note = (f"no repeated blocks: {paths}, and its forward pass repeats no sequence of "
+                f"at least {MIN_OPS} ops holding a matmul or convolution; nothing re-issued")
         return finish(graph, budget_bytes, cost_model, planner=NAME, started=started,
                       order=res.order, notes=[note], log=logger)
-    keep = _kept(graph, res, cost_model, forward, found, opts)
+    keep = _kept(graph, res, cost_model, forward, found, opts, cuts)
     remat, _ = remat_points(graph, res, [t for t in res.tensors if t not in keep], keep=keep)
     names = ", ".join(path.rsplit("/", 1)[-1] for path, _ in found[:3])
-    note = (f"{len(found)} blocks ({names}, ...), save={opts['save']}: "
+    how = ("" if detected.source == "module paths" else
+           f" of {'/'.join(map(str, detected.periods))} forward ops repeated back to back "
+           "(found in the op sequence: no module paths name layers covering as many ops)")
+    note = (f"{len(found)} blocks ({names}, ...){how}, save={opts['save']}: "
             f"{sum(t in keep for t in res.tensors)} buffers kept, {len(remat)} tensors re-issued")
     return finish(graph, budget_bytes, cost_model, planner=NAME, started=started,
                   order=res.order, remat=remat, notes=[note], log=logger)
 
 
 def _kept(graph: MemGraph, res: Residuals, cost_model: CostModel, forward: list[int],
-          found: list[tuple[str, list[int]]], opts: Mapping[str, Any]) -> frozenset[int]:
+          found: list[tuple[str, list[int]]], opts: Mapping[str, Any],
+          cuts: tuple[tuple[int, frozenset[int]], ...]) -> frozenset[int]:
     """Block inputs and outputs, residuals made outside blocks, ``save``'s matmuls, forced keeps.
 
     The forced keeps are :func:`~jaxmem.planners.sublinear.profile`'s, with
@@ -148,7 +217,6 @@ def _kept(graph: MemGraph, res: Residuals, cost_model: CostModel, forward: list[
     in_block = {op for _, ops in found for op in ops}
     starts = {ops[0] for _, ops in found}
     last = found[-1][1][-1]
-    cuts = forward_cuts(graph, res)
     # The cut at each block's start (its input) and after the last block: its output,
     # which a loss head reads. Re-issued, it would recompute the last block before the
     # loss head's backward pass, beside the head's buffers (Llama: an 8 GiB logits

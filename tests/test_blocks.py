@@ -81,13 +81,15 @@ def test_a_transformer_keeps_one_residual_stream_per_layer(model):
         c > last for c in g.tensors[t].consumers) for t in kept)
 
 
-def test_a_step_without_module_paths_gets_no_remat_and_says_why():
+def test_a_step_without_module_paths_or_repeated_layers_gets_no_remat_and_says_why():
     def loss(ws, x):
         for w in ws:
-            x = x + jnp.tanh(x @ w)
+            x = jnp.tanh(x @ w)
         return jnp.sum(x ** 2)
 
-    g = build_graph(jax.grad(loss), [jnp.ones((32, 32))] * 3, jnp.ones((8, 32)))
+    # Each layer has its own widths: no module paths, and no repeated op sequence.
+    ws = [jnp.ones((32, 48)), jnp.ones((48, 24)), jnp.ones((24, 16))]
+    g = build_graph(jax.grad(loss), ws, jnp.ones((8, 32)))
     plan = registry.get("blocks").fn.__wrapped__(g, 10**9, COST, {})
     assert not plan.remat and "no repeated blocks" in plan.notes[0]
     with pytest.raises(ValueError, match="save="):
