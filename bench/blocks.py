@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         saved = ", ".join(f"{k}: {v}" for k, v in sorted(r["block_decisions"].items())
                           if v != "remat") or "all recomputed"
-        print(f"| {r['budget_bytes'] / _MiB:,.0f} | {r['status']} | {r['device_bytes'] / _MiB:,.0f} "
+        print(f"| {r['budget_bytes'] / _MiB:,.0f} | {r['status']} "
+              f"| {r['device_bytes'] / _MiB:,.0f} "
               f"| {r['host_bytes'] / _MiB:,.0f} | {1e3 * r['est_step_time_s']:.1f} | {saved} |")
     return 0
 

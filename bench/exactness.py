@@ -32,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jaxmem.models as zoo
     import jaxmem.planners as registry
-    from jaxmem import emit as emit_lib
-    from jaxmem import plan as plan_lib
+    from jaxmem import emit as emit_lib, plan as plan_lib
     from jaxmem.costmodel import CostModel
     from jaxmem.graph import build_graph
 

@@ -25,7 +25,8 @@ def _num(x: float | None, fmt: str) -> str:
 
 def table(lines: list[dict]) -> str:
     """One row per record: model, step, planner, budget, status, memory and time figures."""
-    head = ("| model | step | planner | budget MiB | status | device MiB | host MiB | predicted MiB "
+    head = ("| model | step | planner | budget MiB | status | device MiB | host MiB "
+            "| predicted MiB "
             "| pred. err | est. ms | time/none | flops/none | solve s |")
     rows = [head, "|" + "---|" * 13]
     for r in lines:
@@ -73,7 +74,8 @@ def by_budget(lines: list[dict]) -> str:
                     cells.append("–")
                 elif planner == "none":
                     cells.append(f"{_mib(r['compiled_peak_bytes'])} / "
-                                 f"{1e3 * r['est_step_time_s']:.4g} (budget {_mib(r['budget_bytes'])})")
+                                 f"{1e3 * r['est_step_time_s']:.4g} "
+                                 f"(budget {_mib(r['budget_bytes'])})")
                 else:
                     text = _cell(r)
                     bold = r["status"] == "ok" and r["est_step_time_s"] == best[b]

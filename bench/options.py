@@ -48,7 +48,8 @@ DEFAULT_BUDGET = Budget("default")
 
 
 def parse_budget(text: str) -> Budget:
-    """Read one budget: bytes, bytes with a unit, a fraction (decimal point or ``%``) or ``default``.
+    """Read one budget: bytes, bytes with a unit, a fraction (decimal point or ``%``) or
+    ``default``.
 
     >>> parse_budget("512MiB").bytes
     536870912

@@ -208,8 +208,7 @@ def measure(work: Workload, mode: str, target_name: str = "h100",
     placed_bytes = 0
     if mode in PLACED_MODES:
         # The placed state leaves the device on a GPU; here it stays an argument (module doc).
-        from jaxmem import graph as graph_lib
-        from jaxmem import trace as trace_lib
+        from jaxmem import graph as graph_lib, trace as trace_lib
 
         program = trace_lib.trace(work.fn, *args, donate_argnums=work.donate_argnums)
         g = graph_lib.analyse(program, target.name)

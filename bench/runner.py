@@ -300,7 +300,8 @@ def _record(model: str, planner: str, kind: str, budget: Budget, budget_bytes: i
     fields = ("peak_memory_in_bytes", "host_bytes", "temp_bytes", "argument_bytes",
               "output_bytes", "alias_bytes", "flops", "matmul_flops", "bytes_accessed",
               "transcendentals", "host_copy_bytes_d2h", "host_copy_bytes_h2d", "est_step_time_s",
-              "est_compute_time_s", "unknown_trip_counts", "unpriced_instructions", "compile_time_s")
+              "est_compute_time_s", "unknown_trip_counts", "unpriced_instructions",
+              "compile_time_s")
     record.update({f: getattr(r, f) if r else None for f in fields})
     record["peak_ratio"] = _ratio(r and r.device_bytes, ref and ref.device_bytes)
     record["flops_ratio"] = _ratio(r and r.flops, ref and ref.flops)

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import jaxmem
 import jaxmem.planners as registry
 from bench.options import Budget, Options
-from bench.runner import (Builder, _cpu, _describe, _Outcome, _peer, _progress, _record)
+from bench.runner import Builder, _cpu, _describe, _Outcome, _peer, _progress, _record
 from jaxmem import targets
 from jaxmem.pareto import Point, sweep_budgets
 

@@ -22,25 +22,18 @@ Public surface (everything else is internal and may change):
 """
 
 # First: imports JAX without the CUDA plugin's start-up noise on CPU-only machines.
-from jaxmem import _startup as _startup
-from jaxmem import profile as profile
-from jaxmem import targets as targets
+from jaxmem import _startup as _startup, profile as profile, targets as targets
+from jaxmem.blocks import planned_policy as planned_policy, remat as remat
 from jaxmem.config import Config as Config
 from jaxmem.errors import InfeasibleBudgetError as InfeasibleBudgetError
-from jaxmem.measure import Report as Report
-from jaxmem.measure import measure as measure
-from jaxmem.optimize import optimize as optimize
-from jaxmem.pareto import Point as Point
-from jaxmem.pareto import frontier as frontier
-from jaxmem.pareto import pareto as pareto
-from jaxmem.plan import Plan as Plan
 from jaxmem.explain import explain as explain
+from jaxmem.measure import Report as Report, measure as measure
+from jaxmem.optimize import optimize as optimize
+from jaxmem.pareto import Point as Point, frontier as frontier, pareto as pareto
+from jaxmem.plan import Plan as Plan
+from jaxmem.policy import to_policy as to_policy, use_decisions as use_decisions
+from jaxmem.scanplan import plan_blocks as plan_blocks
 from jaxmem.simulate import predict_peak_bytes as predict_peak_bytes
 from jaxmem.trace import UnsupportedConstructError as UnsupportedConstructError
-from jaxmem.blocks import planned_policy as planned_policy
-from jaxmem.blocks import remat as remat
-from jaxmem.policy import to_policy as to_policy
-from jaxmem.policy import use_decisions as use_decisions
-from jaxmem.scanplan import plan_blocks as plan_blocks
 
 __version__ = "0.1.0.dev0"

@@ -142,7 +142,8 @@ class Instruction:
 
     @functools.cached_property
     def backend_config(self) -> Any:
-        """The backend config as parsed JSON; the raw string if it is not JSON; ``None`` if absent."""
+        """The backend config as parsed JSON; the raw string if it is not JSON; ``None`` if
+        absent."""
         raw = self.attrs.get("backend_config")
         if raw is None:
             return None
@@ -240,7 +241,8 @@ def parse_module(text: str) -> HloModule:
             try:
                 body.append(_parse_instruction(line))
             except (HloParseError, IndexError, ValueError) as err:
-                raise HloParseError(f"cannot read HLO line {number}: {err}: {line[:200]!r}") from err
+                raise HloParseError(
+                    f"cannot read HLO line {number}: {err}: {line[:200]!r}") from err
     if not entry:
         raise HloParseError(
             f"no ENTRY computation in the HLO text ({len(text)} characters, "

@@ -29,8 +29,7 @@ from typing import Any, Mapping, Sequence
 
 from jax.extend import core as jcore
 
-from jaxmem import opcost
-from jaxmem import scan as _scan
+from jaxmem import opcost, scan as _scan
 from jaxmem.graph import MemGraph
 from jaxmem.trace import Program, describe_source, flatten
 

@@ -35,8 +35,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import jax
 from jax import ad_checkpoint
-from jax.extend import core as jcore
-from jax.extend import source_info_util
+from jax.extend import core as jcore, source_info_util
 
 from jaxmem import policy as _policy
 

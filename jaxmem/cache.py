@@ -42,7 +42,8 @@ def fingerprint(program_text: str, *parts: Any) -> str:
         turned into text with ``repr``, so they must have stable reprs.
     """
     h = hashlib.sha256()
-    for piece in (f"format={CACHE_FORMAT}", f"jax={jax.__version__}", program_text, *map(repr, parts)):
+    for piece in (f"format={CACHE_FORMAT}", f"jax={jax.__version__}", program_text,
+                  *map(repr, parts)):
         h.update(piece.encode())
         h.update(b"\0")
     return h.hexdigest()

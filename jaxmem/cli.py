@@ -147,8 +147,7 @@ def _planned(step: Step, config: Any) -> Any:
 
 
 def _traced_graph(step: Step, config: Any) -> Any:
-    from jaxmem import graph as graph_lib
-    from jaxmem import trace as trace_lib
+    from jaxmem import graph as graph_lib, trace as trace_lib
 
     target = config.resolve_target(step.args)
     program = trace_lib.trace(step.fn, *step.args, donate_argnums=step.donate_argnums)
@@ -235,7 +234,8 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         print(json.dumps({"step": step.name, "rows": rows}, indent=2))
         return EXIT_OK
     print(f"{step.name}, budget {ns.budget or 'default'} on {ns.target}")
-    header = f"{'planner':<16} {'status':<14} {'predicted MiB':>14} {'compiled MiB':>13} {'est ms':>9}"
+    header = (f"{'planner':<16} {'status':<14} {'predicted MiB':>14} {'compiled MiB':>13} "
+              f"{'est ms':>9}")
     print(header)
     print("-" * len(header))
     for r in rows:

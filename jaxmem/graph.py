@@ -23,23 +23,21 @@ follow.
 from __future__ import annotations
 
 import dataclasses
-import math
 import logging
+import math
 from typing import Any, Callable, Mapping
 
 from jax.extend import core as jcore
-
-from jaxmem import _compat
-from jaxmem import materialize as mat
-from jaxmem import opcost
-from jaxmem import sharding as sharding_lib
 from jax.tree_util import tree_structure
 
+from jaxmem import _compat, materialize as mat, opcost, sharding as sharding_lib
 from jaxmem.trace import Program, describe_source, flatten_with_barriers, trace
 
 logger = logging.getLogger(__name__)
 
-TensorRole = str  # "param","opt_state","batch","state","other","activation","residual","gradient","update","temp","const"
+# "param", "opt_state", "batch", "state", "other", "activation", "residual", "gradient",
+# "update", "temp", "const"
+TensorRole = str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,8 +43,17 @@ import dataclasses
 import logging
 from typing import Any, Literal, Mapping, NamedTuple
 
-from jaxmem._hlo_text import (HOST_MEMORY_SPACE, Computation, HloModule, HloParseError,
-                              Instruction, Shape, convolution_flops, parse_module, window_sizes)
+from jaxmem._hlo_text import (
+    HOST_MEMORY_SPACE,
+    Computation,
+    HloModule,
+    HloParseError,
+    Instruction,
+    Shape,
+    convolution_flops,
+    parse_module,
+    window_sizes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -432,7 +441,8 @@ def _precision(inst: Instruction) -> str:
     the highest ``operand_precision`` (``default``, ``high``, ``highest``)."""
     if "algorithm" in inst.attrs:
         return inst.attrs["algorithm"]
-    levels = [p.strip().lower() for p in inst.attrs.get("operand_precision", "").strip("{}").split(",")]
+    levels = [p.strip().lower()
+              for p in inst.attrs.get("operand_precision", "").strip("{}").split(",")]
     for level in ("highest", "high"):
         if level in levels:
             return level

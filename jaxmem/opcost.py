@@ -15,8 +15,8 @@ XLA fuses away move no bytes of their own.
 from __future__ import annotations
 
 import dataclasses
-import math
 import logging
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -50,7 +50,8 @@ def _size(aval: Any) -> int:
 
 
 def trip_count(eqn: jcore.JaxprEqn) -> int:
-    """Iterations of a ``scan`` (its length) or of a ``while`` recognisable as a fori_loop; else 1."""
+    """Iterations of a ``scan`` (its length) or of a ``while`` recognisable as a fori_loop;
+    else 1."""
     name = eqn.primitive.name
     if name == "scan":
         return int(eqn.params.get("length", 1))

@@ -33,14 +33,18 @@ from typing import Any, Callable, Literal, Sequence
 
 import jax
 
-from jaxmem import plan as plan_lib
-from jaxmem import targets as targets_lib
-from jaxmem import trace as trace_lib
+from jaxmem import plan as plan_lib, targets as targets_lib, trace as trace_lib
 from jaxmem.config import Config, format_bytes, parse_bytes
 from jaxmem.errors import InfeasibleBudgetError
 from jaxmem.measure import Report, report
-from jaxmem.optimize import Optimized, _NnxOptimized, effective_config, optimize, verify
-from jaxmem.optimize import _abstract as abstract_args
+from jaxmem.optimize import (
+    Optimized,
+    _abstract as abstract_args,
+    _NnxOptimized,
+    effective_config,
+    optimize,
+    verify,
+)
 from jaxmem.profile import planning_cost_model
 
 logger = logging.getLogger(__name__)

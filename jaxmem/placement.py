@@ -35,12 +35,11 @@ parameters' deltas) comes back. :func:`update_time_s` prices both paths and
 
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 from typing import Any, Sequence
 
-from jaxmem import plan as plan_lib
-from jaxmem import simulate
+from jaxmem import plan as plan_lib, simulate
 
 logger = logging.getLogger(__name__)
 

@@ -219,8 +219,8 @@ class Plan:
             data.setdefault("compiled_bytes", None)
         if not isinstance(data, dict) or set(data) != fields:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"not a jaxmem plan: expected a JSON object with keys {sorted(fields)}, "
-                             f"got {got}")
+            raise ValueError(f"not a jaxmem plan: expected a JSON object with keys "
+                             f"{sorted(fields)}, got {got}")
         _check_json_types(data)
         data["notes"] = tuple(data["notes"])
         return cls(**data)
@@ -415,9 +415,21 @@ def unplanned(graph: Any, planner: str = "none", budget_bytes: int = 0,
 # The schedule and the view live in their own modules; these names are part of
 # the plan's interface (``steps_for_plan`` is what the simulator consumes).
 from jaxmem.schedule import (  # noqa: E402
-    Event as Event, Schedule as Schedule, build_schedule as build_schedule,
-    check_plan as check_plan, simulate_plan as simulate_plan, steps_for_plan as steps_for_plan)
+    Event as Event,
+    Schedule as Schedule,
+    build_schedule as build_schedule,
+    check_plan as check_plan,
+    simulate_plan as simulate_plan,
+    steps_for_plan as steps_for_plan,
+)
 from jaxmem.view import (  # noqa: E402
-    CHAIN_PRIMITIVES as CHAIN_PRIMITIVES, NEVER_REISSUED as NEVER_REISSUED,
-    REDUCTIONS as REDUCTIONS, View as View, branch_ops as branch_ops, check_order as check_order,
-    copy_keeps_fusion as copy_keeps_fusion, remat_keeps_fusion as remat_keeps_fusion, view as view)
+    CHAIN_PRIMITIVES as CHAIN_PRIMITIVES,
+    NEVER_REISSUED as NEVER_REISSUED,
+    REDUCTIONS as REDUCTIONS,
+    View as View,
+    branch_ops as branch_ops,
+    check_order as check_order,
+    copy_keeps_fusion as copy_keeps_fusion,
+    remat_keeps_fusion as remat_keeps_fusion,
+    view as view,
+)

@@ -63,8 +63,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import jax
 from jax.extend import core as jcore
 
-from jaxmem import emit as emit_lib
-from jaxmem import targets as targets_lib
+from jaxmem import emit as emit_lib, targets as targets_lib
 from jaxmem.config import OP_TIMES
 from jaxmem.costmodel import CostModel
 from jaxmem.hlo import HloModule, parse_module

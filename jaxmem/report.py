@@ -6,14 +6,15 @@ Unstable: the layout of the picture and page may change.
 schedule, before and after the plan, stacked by tensor role, the budget as a
 line and each peak marked; below, the pinned-host bytes over the same steps)
 and ``report.html`` (the picture embedded, the device and host peaks, and the
-plan's decisions with the user's source lines). ``Plan.report(dir)`` calls it. matplotlib is imported only
-here, inside the functions that draw.
+plan's decisions with the user's source lines). ``Plan.report(dir)`` calls it.
+matplotlib is imported only here, inside the functions that draw.
 
 >>> import jax, jax.numpy as jnp, jaxmem, tempfile
 >>> from jaxmem import graph, trace, plan as plan_lib
 >>> g = graph.analyse(trace.trace(lambda w, x: jnp.tanh(x @ w).sum(),
 ...                               jnp.ones((4, 4)), jnp.ones((2, 4))), "cpu")
->>> paths = write_report(g, plan_lib.unplanned(g, budget_bytes=1 << 20), tempfile.mkdtemp(), 1 << 20)
+>>> paths = write_report(g, plan_lib.unplanned(g, budget_bytes=1 << 20), tempfile.mkdtemp(),
+...                      1 << 20)
 >>> [p.name for p in paths]
 ['report.png', 'report.html']
 """

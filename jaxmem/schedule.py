@@ -148,7 +148,8 @@ class Schedule:
         return aligned(self.view.bytes[t], self.view.alignment)
 
     def _companion_sizes(self) -> dict[int, int]:
-        """Sizes of the originals charged companions (``View.extra_bytes``), in a plan with re-issues.
+        """Sizes of the originals charged companions (``View.extra_bytes``), in a plan with
+        re-issues.
 
         A max-pool gradient's companions are the scatter's zeros, made in the
         forward pass, and their copy, which the scatter overwrites in place
@@ -183,7 +184,8 @@ class Schedule:
         last = self.last_reads()
         need: dict[int, int] = {}
         for i, ev in enumerate(self.events):
-            if ev.op is None or ev.kind == "offload" or v.primitives[ev.op] != "select_and_scatter_add":
+            if (ev.op is None or ev.kind == "offload"
+                    or v.primitives[ev.op] != "select_and_scatter_add"):
                 continue
             for r in ev.reads:
                 if r is None:
@@ -246,9 +248,10 @@ class Schedule:
         for i, ev in enumerate(self.events):
             alloc = tuple(w for w in ev.writes if w is not None) if ev.kind != "offload" else ()
             dead = [w for w in alloc if w not in last and w not in keep]
-            label = ev.kind if ev.kind == "op" else f"{ev.kind} " + ",".join(f"t{t}" for t in ev.tensors)
-            steps.append(simulate.Step(op=ev.op, alloc=alloc, free=tuple(frees.get(i, [])) + tuple(dead),
-                                       label=label))
+            label = (ev.kind if ev.kind == "op"
+                     else f"{ev.kind} " + ",".join(f"t{t}" for t in ev.tensors))
+            steps.append(simulate.Step(op=ev.op, alloc=alloc,
+                                       free=tuple(frees.get(i, [])) + tuple(dead), label=label))
         for held, (b, freed_at) in self.companions().items():
             made = next((i for i, s in enumerate(steps) if b in s.alloc), None)
             if made is None:  # never allocated (nothing to hold)

@@ -315,7 +315,8 @@ def simulate_steps(graph: MemGraph, steps: Sequence[Step],
 
 def simulate(graph: MemGraph, order: Sequence[int] | None = None,
              accounting: Accounting = "xla", pack: bool = False) -> SimResult:
-    """Simulate ``order`` (default: the jaxpr order): ``simulate_steps(graph, steps_for_order(...))``."""
+    """Simulate ``order`` (default: the jaxpr order):
+    ``simulate_steps(graph, steps_for_order(...))``."""
     return simulate_steps(graph, steps_for_order(graph, order, accounting), pack=pack)
 
 

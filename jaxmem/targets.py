@@ -132,7 +132,8 @@ class Target:
         precision on Ampere and later GPUs (TF32 tensor cores); plain
         ``"float32"`` is the non-tensor-core rate used for other float32 work.
         """
-        key = dtype if isinstance(dtype, str) and dtype in self.peak_flops_per_s else np.dtype(dtype).name
+        key = (dtype if isinstance(dtype, str) and dtype in self.peak_flops_per_s
+               else np.dtype(dtype).name)
         return self.peak_flops_per_s.get(key, self.peak_flops_per_s["float32"])
 
     def devices(self, count: int = 1) -> list[jax.Device]:
@@ -142,7 +143,8 @@ class Target:
             if count > len(cpus):
                 raise ValueError(
                     f"target 'cpu' has {len(cpus)} device(s) but {count} were asked for; set "
-                    f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before importing jax")
+                    f"XLA_FLAGS=--xla_force_host_platform_device_count={count} "
+                    "before importing jax")
             return list(cpus[:count])
         return list(_compile_only_devices(self.name, _gpu_target_config(self), count))
 

@@ -29,8 +29,7 @@ import sysconfig
 from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import jax
-from jax.extend import core as jcore
-from jax.extend import source_info_util
+from jax.extend import core as jcore, source_info_util
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,8 @@ CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call"})
 # Constructs the analysis cannot model faithfully: refused with a clear error.
 REFUSED_PRIMITIVES: dict[str, str] = {
     "io_callback": "host callbacks have side effects that cannot be reordered or recomputed",
-    "rng_uniform": "XLA's stateful RNG gives different bits when recomputed; use jax.random with explicit keys",
+    "rng_uniform": "XLA's stateful RNG gives different bits when recomputed; "
+                   "use jax.random with explicit keys",
     "xla_pmap": "pmap programs are not planned; use jit with NamedSharding instead",
     "shard_map": "shard_map bodies are per-device programs that jaxmem does not analyse yet",
     "mutable_array": "mutable array references (jax.new_ref) are stateful",
@@ -411,7 +411,8 @@ def _key_name(k: Any) -> str:
 
 
 def infer_role(path: Sequence[Any]) -> Role:
-    """A role from a leaf's key path: optimizer-state names win over ``params`` (Adam's ``mu`` holds a params tree)."""
+    """A role from a leaf's key path: optimizer-state names win over ``params`` (Adam's ``mu``
+    holds a params tree)."""
     names = {_key_name(k).lower() for k in path}
     if names & _OPT_KEYS:
         return "opt_state"
@@ -436,7 +437,7 @@ def _roles(dyn_args: Sequence[Any], kwargs: dict[str, Any], arg_roles: Any) -> l
             roles.extend(_given_role(given, i, p) for p, _ in leaves)
         else:  # a pytree prefix of roles
             expanded = jax.tree_util.tree_map_with_path(
-                lambda path, r, sub: [_given_role(r, i, path + q) for q, _ in
+                lambda path, r, sub, i=i: [_given_role(r, i, path + q) for q, _ in
                                       jax.tree_util.tree_flatten_with_path(sub)[0]],
                 given, arg, is_leaf=lambda x: isinstance(x, str))
             roles.extend(r for group in jax.tree_util.tree_leaves(

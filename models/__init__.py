@@ -20,15 +20,16 @@ synthetic, drawn from a PRNG key (nothing is downloaded).
 >>> loss, grads = compiled(*zs.make_args(seed=0))
 """
 
-from jaxmem.models._build import SIZES as SIZES
-from jaxmem.models._build import STEPS as STEPS
-from jaxmem.models._build import ZooStep as ZooStep
-from jaxmem.models._build import build as build
-from jaxmem.models._build import names as names
-from jaxmem.models._build import spec as spec
+from jaxmem.models._build import (
+           SIZES as SIZES,
+           STEPS as STEPS,
+           ZooStep as ZooStep,
+           build as build,
+           names as names,
+           spec as spec,
+)
 from jaxmem.models._spec import ModelSpec as ModelSpec
-from jaxmem.models.policies import OFFLOAD_POLICIES as OFFLOAD_POLICIES
-from jaxmem.models.policies import POLICIES as POLICIES
+from jaxmem.models.policies import OFFLOAD_POLICIES as OFFLOAD_POLICIES, POLICIES as POLICIES
 
 __all__ = ["ModelSpec", "OFFLOAD_POLICIES", "POLICIES", "SIZES", "STEPS", "ZooStep", "build",
            "names", "spec"]

@@ -97,7 +97,8 @@ def spec(name: str) -> ModelSpec:
     try:
         return _SPECS[name]
     except KeyError:
-        raise ValueError(_UNKNOWN.format(what="model", value=name, allowed=", ".join(_SPECS))) from None
+        raise ValueError(_UNKNOWN.format(what="model", value=name,
+                                         allowed=", ".join(_SPECS))) from None
 
 
 def build(name: str, size: Size | str = "tiny", *, step: StepKind | str = "train",

@@ -38,8 +38,13 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem.models._layers import (causal_attention, next_token_loss, repeat_block, token_batch,
-                                   token_batch_spec)
+from jaxmem.models._layers import (
+    causal_attention,
+    next_token_loss,
+    repeat_block,
+    token_batch,
+    token_batch_spec,
+)
 from jaxmem.models._spec import ModelSpec
 
 

@@ -55,15 +55,18 @@ POLICIES: dict[str, str] = {
     "none": "no remat: XLA keeps every residual the backward pass needs",
     "full": "per block, save nothing (jax.checkpoint_policies.nothing_saveable)",
     "dots": "per block, save matmul and conv outputs (dots_saveable)",
-    "dots_no_batch": "per block, save matmuls without batch dims (dots_with_no_batch_dims_saveable)",
+    "dots_no_batch":
+        "per block, save matmuls without batch dims (dots_with_no_batch_dims_saveable)",
     "offload_dots_no_batch":
         "per block, offload matmuls without batch dims to pinned host "
         "(offload_dot_with_no_batch_dims('device', 'pinned_host'))",
     "minimal": "MaxText 'minimal': checkpoint_dots_with_no_batch_dims",
     "save_qkv_proj": "MaxText: save only query/key/value projections (and a fused qkv_proj)",
     "save_dot_except_mlpwi": "MaxText: save q/k/v projections, out_proj and mlpwo",
-    "qkv_proj_offloaded": "MaxText: offload query/key/value projections to pinned host, save nothing else",
-    "minimal_offloaded": "MaxText 'minimal_offloaded': offload matmuls without batch dims to pinned host",
+    "qkv_proj_offloaded":
+        "MaxText: offload query/key/value projections to pinned host, save nothing else",
+    "minimal_offloaded":
+        "MaxText 'minimal_offloaded': offload matmuls without batch dims to pinned host",
 }
 
 # Not a peer: every block under jaxmem.planned_policy(), whose decision table (save / remat /

@@ -54,8 +54,7 @@ from typing import Any, Mapping
 from ortools.sat.python import cp_model
 
 from jaxmem.planners._cpsat_problem import Evaluation, Problem, Schedule
-from jaxmem.planners._cpsat_progress import Progress, Units
-from jaxmem.planners._cpsat_progress import enabled as progress_enabled
+from jaxmem.planners._cpsat_progress import Progress, Units, enabled as progress_enabled
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,8 @@ _PEERS = {
     "none": "XLA as is: no remat, no offload",
     "full": "jax.checkpoint per block saving nothing (nothing_saveable)",
     "dots": "per block, save every matmul output (dots_saveable)",
-    "dots_no_batch": "per block, save matmuls without batch dims (dots_with_no_batch_dims_saveable)",
+    "dots_no_batch":
+        "per block, save matmuls without batch dims (dots_with_no_batch_dims_saveable)",
     "offload_dots_no_batch": "per block, offload matmuls without batch dims to pinned host",
     "minimal": "MaxText 'minimal': save matmuls without batch dims",
     "save_qkv_proj": "MaxText: save query/key/value projections",

@@ -41,8 +41,7 @@ import math
 import re
 from typing import Any, Sequence
 
-from jaxmem import materialize as mat
-from jaxmem import plan as plan_lib
+from jaxmem import materialize as mat, plan as plan_lib
 from jaxmem.planners._cpsat_problem import Item, Node, Problem, Schedule
 from jaxmem.planners._principles import constant_tensors
 
@@ -233,7 +232,7 @@ def coarsen(graph: Any, budget_bytes: int, cost_model: Any, *, max_nodes: int = 
         nodes.append(Node(duration=ticks(sum(times[o] for o in c)), workspace=units(ws)))
 
     items, chains = [], []
-    for v, t in enumerate(item_tensor):
+    for _, t in enumerate(item_tensor):
         tensor = tensors[t]
         home = None if tensor.producer is None else node_of[tensor.producer]
         consumers = tuple(sorted(readers.get(t, set()) - {home}))

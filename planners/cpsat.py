@@ -112,8 +112,7 @@ import logging
 import time
 from typing import Any, Mapping
 
-from jaxmem import placement as placement_lib
-from jaxmem import plan as plan_lib
+from jaxmem import placement as placement_lib, plan as plan_lib
 from jaxmem.planners import _cpsat_model
 from jaxmem.planners._cpsat_hint import repair
 from jaxmem.planners._cpsat_problem import Evaluation, Schedule, evaluate

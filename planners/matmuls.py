@@ -52,8 +52,15 @@ from jaxmem import plan as plan_lib
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import MemGraph
 from jaxmem.planners._registry import register
-from jaxmem.planners.sublinear import (check_options, find_residuals, finish, fused_segments,
-                                       out_of_time, reissuable, remat_points)
+from jaxmem.planners.sublinear import (
+    check_options,
+    find_residuals,
+    finish,
+    fused_segments,
+    out_of_time,
+    reissuable,
+    remat_points,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +249,8 @@ register(NAME, keep_matmuls, "keep matmul/conv outputs, recompute the rest (dots
                                                     does=("remat",)))
 register(FIT, keep_matmuls_fit, "keep the matmul outputs the budget allows, recompute the "
          "rest (the cheapest per byte dropped first)",
-         check=functools.partial(check_options, FIT, defaults={"bitwise": True, "time_limit_s": None},
+         check=functools.partial(check_options, FIT,
+                                 defaults={"bitwise": True, "time_limit_s": None},
                                  does=("remat",)))
 register(NO_BATCH, keep_matmuls_no_batch, "keep matmuls without batch dims and convs, recompute "
          "the rest (dots_with_no_batch_dims_saveable on the flat graph)",

@@ -66,8 +66,7 @@ import numpy as np
 from jaxmem import plan as plan_lib
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import MemGraph
-from jaxmem.planners._registry import COMMON_OPTIONS
-from jaxmem.planners._registry import register
+from jaxmem.planners._registry import COMMON_OPTIONS, register
 from jaxmem.view import REDUCTIONS
 
 logger = logging.getLogger(__name__)

@@ -44,8 +44,7 @@ from jaxmem import plan as plan_lib
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import MemGraph
 from jaxmem.planners._registry import register
-from jaxmem.planners.sublinear import (Residuals, check_options, find_residuals, finish,
-                                       remat_points)
+from jaxmem.planners.sublinear import Residuals, check_options, find_residuals, finish, remat_points
 
 logger = logging.getLogger(__name__)
 

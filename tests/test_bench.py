@@ -9,8 +9,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 import jaxmem
 from bench.__main__ import main
@@ -274,7 +273,8 @@ def test_markdown_by_budget_puts_budgets_in_columns_and_marks_the_fastest_fit():
                 "status": status, "compiled_peak_bytes": peak, "est_step_time_s": t,
                 "host_bytes": host}
     lines = [rec("none", "0.5", "over_budget", 200 << 20, 0.010),
-             rec("a", "0.5", "ok", 90 << 20, 0.012), rec("b", "0.5", "ok", 80 << 20, 0.011, 5 << 20),
+             rec("a", "0.5", "ok", 90 << 20, 0.012),
+             rec("b", "0.5", "ok", 80 << 20, 0.011, 5 << 20),
              rec("c", "0.5", "infeasible")]
     text = by_budget(lines).splitlines()
     assert text[0] == "| model | planner | 0.5 of peak |"

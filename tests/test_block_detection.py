@@ -25,8 +25,7 @@ import pytest
 from flax import nnx
 
 import jaxmem.planners as registry
-from jaxmem import emit as emit_lib
-from jaxmem import plan as plan_lib
+from jaxmem import emit as emit_lib, plan as plan_lib
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import build_graph
 from jaxmem.planners import blocks as blocks_lib

@@ -19,9 +19,7 @@ import jax
 
 import jaxmem.models as zoo
 import jaxmem.planners as registry
-from jaxmem import emit as emit_lib
-from jaxmem import plan as plan_lib
-from jaxmem import targets
+from jaxmem import emit as emit_lib, plan as plan_lib, targets
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import build_graph
 from jaxmem.measure import report

@@ -22,14 +22,12 @@ import random
 import jax
 import jax.numpy as jnp
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jaxmem import plan as plan_lib
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import build_graph
-from jaxmem.planners import _cpsat_model as model
-from jaxmem.planners import get, names
+from jaxmem.planners import _cpsat_model as model, get, names
 from jaxmem.planners._cpsat_hint import repair
 from jaxmem.planners._cpsat_problem import Item, Node, Problem, Schedule, evaluate
 from jaxmem.planners.coarsen import coarsen

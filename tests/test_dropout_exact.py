@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem import emit
-from jaxmem import plan as plan_lib
+from jaxmem import emit, plan as plan_lib
 from jaxmem.graph import build_graph
 from jaxmem.planners import _principles
 

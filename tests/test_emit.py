@@ -13,8 +13,7 @@ import pytest
 
 import jaxmem.models as zoo
 from bench.random_exactness import random_order, random_program
-from jaxmem import emit, hlo, simulate, targets
-from jaxmem import plan as plan_lib
+from jaxmem import emit, hlo, plan as plan_lib, simulate, targets
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import analyse, build_graph
 from jaxmem.planners import greedy
@@ -298,7 +297,8 @@ def test_unplanned_emission_compiles_like_the_plain_step():
         g.program.out_tree, jax.extend.core.jaxpr_as_fun(g.program.jaxpr)(
             *jax.tree_util.tree_leaves(a)))).lower(*args).compile()
     emitted = _compile_h100(g, plan_lib.unplanned(g), args)
-    assert emitted.memory_analysis().temp_size_in_bytes == plain.memory_analysis().temp_size_in_bytes
+    assert (emitted.memory_analysis().temp_size_in_bytes
+            == plain.memory_analysis().temp_size_in_bytes)
 
 
 def test_offloaded_tensors_are_host_buffers_with_async_copies():

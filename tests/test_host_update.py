@@ -8,13 +8,12 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from test_placement import _case as placement_case
 
-from jaxmem import emit, hlo, placement, targets
-from jaxmem import plan as plan_lib
+from jaxmem import emit, hlo, placement, plan as plan_lib, targets
 from jaxmem.costmodel import CostModel
 from jaxmem.measure import report
 from jaxmem.planners import greedy
-from test_placement import _case as placement_case
 
 HOST_THREAD = 'execution_thread="host"'
 

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem import emit
-from jaxmem import plan as plan_lib
+from jaxmem import emit, plan as plan_lib
 from jaxmem.graph import build_graph
 from jaxmem.schedule import simulate_plan
 

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem import cache as cache_lib
-from jaxmem import level as level_lib
+from jaxmem import cache as cache_lib, level as level_lib
 from jaxmem.optimize import effective_config
 
 REPO = Path(__file__).resolve().parents[1]
