@@ -19,8 +19,7 @@ import pytest
 
 import jaxmem.models as zoo
 import jaxmem.planners as registry
-from jaxmem import emit as emit_lib
-from jaxmem import plan as plan_lib
+from jaxmem import emit as emit_lib, plan as plan_lib
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import build_graph
 from jaxmem.planners import order, qlearn, sublinear

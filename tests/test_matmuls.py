@@ -10,11 +10,10 @@ from jax.extend import core as jcore
 
 import jaxmem.models as zoo
 import jaxmem.planners as registry
-from jaxmem.planners import _principles
-from jaxmem import emit as emit_lib
-from jaxmem import plan as plan_lib
+from jaxmem import emit as emit_lib, plan as plan_lib
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import build_graph
+from jaxmem.planners import _principles
 from jaxmem.planners.matmuls import MATMUL_PRIMITIVES
 from jaxmem.planners.sublinear import find_residuals
 

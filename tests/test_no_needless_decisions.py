@@ -15,12 +15,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxmem
 from bench.random_exactness import random_program
-from jaxmem import emit
-from jaxmem import plan as plan_lib
+from jaxmem import emit, plan as plan_lib
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import build_graph
-from jaxmem.planners import _registry as registry
-from jaxmem.planners import planners
+from jaxmem.planners import _registry as registry, planners
 
 CPU = CostModel.for_target("cpu")
 # x * mean(x, 0) between two matmuls: greedy re-issued the product at the plain step's

@@ -235,7 +235,8 @@ def test_warn_runs_the_best_plan(caplog):
 
 
 def test_mlp_bench_offload_only_fits_200_mib_on_h100():
-    """The compile-only H100 probe (docs/targets.md): 8 layers, batch 8192, width 256, hidden 1024, f32, gradients only."""
+    """The compile-only H100 probe (docs/targets.md): 8 layers, batch 8192, width 256,
+    hidden 1024, f32, gradients only."""
     t = jaxmem.targets.get("h100")
     params = [(jax.ShapeDtypeStruct((256, 1024), jnp.float32),
                jax.ShapeDtypeStruct((1024, 256), jnp.float32)) for _ in range(8)]

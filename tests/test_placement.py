@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import jaxmem.models as zoo
-from jaxmem import emit, placement, targets
-from jaxmem import plan as plan_lib
+from jaxmem import emit, placement, plan as plan_lib, targets
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import analyse
 from jaxmem.planners import greedy

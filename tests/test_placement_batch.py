@@ -7,8 +7,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import jaxmem.models as zoo
 from bench import placement_batch as pb

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_optimize import _mlp_args, _same
 
 import jaxmem
 from jaxmem import models, profile
@@ -17,7 +18,6 @@ from jaxmem.costmodel import CostModel
 from jaxmem.graph import build_graph
 from jaxmem.plan import unplanned
 from jaxmem.planners.sublinear import estimate_time_s
-from test_optimize import _mlp_args, _same
 
 US = 1e-6
 

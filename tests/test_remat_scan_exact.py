@@ -26,8 +26,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxmem
-from jaxmem import emit
-from jaxmem import plan as plan_lib
+from jaxmem import emit, plan as plan_lib
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import analyse, build_graph
 from jaxmem.planners import greedy

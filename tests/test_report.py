@@ -7,9 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxmem
-from jaxmem import emit as emit_lib
-from jaxmem import plan as plan_lib
-from jaxmem import report, targets
+from jaxmem import emit as emit_lib, plan as plan_lib, report, targets
 from jaxmem.graph import build_graph
 from jaxmem.optimize import device_bytes
 

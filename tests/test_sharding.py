@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem import plan as plan_lib
-from jaxmem import sharding as sharding_lib
+from jaxmem import plan as plan_lib, sharding as sharding_lib
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import analyse
 from jaxmem.planners import greedy

@@ -5,8 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from jaxmem.graph import build_graph
 from jaxmem.simulate import Step, donation_aliases, simulate, simulate_steps, steps_for_order
@@ -289,8 +288,7 @@ def test_unplanned_plan_simulates_like_the_graph_with_pool_companions(name):
     path, so every planner saw vgg16 at bench size 28% smaller than it compiles.
     """
     import jaxmem.models as zoo
-    from jaxmem import plan as plan_lib
-    from jaxmem import targets
+    from jaxmem import plan as plan_lib, targets
     from jaxmem.graph import analyse
     from jaxmem.trace import trace
 

@@ -20,9 +20,7 @@ import pytest
 
 import jaxmem.models as zoo
 import jaxmem.planners as registry
-from jaxmem import emit as emit_lib
-from jaxmem import schedule
-from jaxmem import targets
+from jaxmem import emit as emit_lib, schedule, targets
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import build_graph
 from jaxmem.measure import report
