@@ -1,13 +1,16 @@
-"""Every use of JAX internals (``jax._src``) in jaxmem, in one place.
+"""Every use of JAX internals (``jax._src``) in jaxmem, in one place, and of the JAX
+APIs whose form differs between the supported releases (jax 0.10.2 and 0.12).
 
-These are private APIs of jax 0.10.2; when JAX moves them, only this module
-changes. Each function says what it needs and fails with a clear error.
+When JAX moves them, only this module changes. Each function says what it
+needs and fails with a clear error.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -108,3 +111,57 @@ def itemsize(dtype: Any) -> int:
     except TypeError:
         return int(getattr(dtype, "itemsize", 0) or 0)
 
+
+def scan_counts(eqn: Any) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation.
+
+    A scan's operands are its constants, then its carry, then the arrays it
+    slices; its outputs are the final carry, then the stacked per-iteration
+    outputs. jax 0.10 gives the counts as the ``num_consts`` and ``num_carry``
+    params; later releases give the operand and output groups as the flat trees
+    ``ft_in`` (constants, carry, sliced arrays) and ``ft_out`` (carry, stacked).
+
+    Raises:
+      ValueError: ``eqn`` is not a scan, or its params have neither form.
+    """
+    if eqn.primitive.name != "scan":
+        raise ValueError(f"scan_counts needs a scan equation, not {eqn.primitive.name!r}")
+    params = eqn.params
+    if "num_carry" in params and "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    if "ft_in" in params:
+        consts, carry, _ = params["ft_in"].unpack()
+        return len(consts), len(carry)
+    raise ValueError(f"this jax ({jax.__version__}) gives a scan's operand groups neither as "
+                     f"num_consts/num_carry nor as ft_in; its params are {sorted(params)}")
+
+
+def host_computation(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """``fun`` run as a host computation (``compute_on("device_host")``).
+
+    XLA runs the call on the host (its ``_xla_compute_type`` is ``"host"``); the
+    results stay in host memory, like the host-memory operands ``fun`` reads.
+    jax 0.10 makes ``compute_on(compute_type)`` a context manager that marks the
+    ``jax.jit`` calls made under it; later releases make it a wrapper
+    ``compute_on(fun, *, compute_type, out_memory_spaces)``.
+    """
+    from jax.experimental import compute_on as compute_on_module
+
+    compute_on: Any = compute_on_module.compute_on  # its signature depends on the release
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+        return compute_on(fun, compute_type="device_host",
+                          out_memory_spaces=jax.memory.Space.Host)
+    return compute_on("device_host")(fun)
+
+
+def jit_debug_info(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                   static_argnums: Sequence[int], static_argnames: Sequence[str]) -> Any:
+    """JAX's debug info of ``fun(*args, **kwargs)`` as ``jax.jit`` traces it (its name,
+    ``file:line`` and the names of its argument leaves).
+
+    Raises:
+      ImportError: this jax has no ``jax._src.api_util.debug_info``.
+    """
+    from jax._src import api_util
+    return api_util.debug_info("jit", fun, args, kwargs, static_argnums=tuple(static_argnums),
+                               static_argnames=tuple(static_argnames))

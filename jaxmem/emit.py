@@ -87,9 +87,9 @@ from typing import Any, Callable, Iterator, Literal, Sequence
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
-from jax.experimental.compute_on import compute_on
 from jax.extend import source_info_util
 
+from jaxmem import _compat
 from jaxmem import materialize as mat
 from jaxmem import placement as placement_lib
 from jaxmem import plan as plan_lib
@@ -1172,7 +1172,7 @@ class _HostUpdate:
                 interp._issue(ev, local)
             return [local[w] for w in keep]
 
-        outs = compute_on("device_host")(jax.jit(update))(*sent)
+        outs = _compat.host_computation(jax.jit(update))(*sent)
         for w, value in zip(keep, outs):
             self.host_values[interp._tensor(w)] = value
             env[w] = (jax.device_put(value, jax.memory.Space.Device) if w in self.device_reads

@@ -60,6 +60,7 @@ ELEMENTWISE = frozenset({
     "stop_gradient", "sub", "tan", "tanh", "xor", "bitcast_convert_type", "copy", "copy_p",
     "threefry2x32", "random_wrap", "random_unwrap", "random_seed", "random_fold_in",
     "random_split", "clz", "zeta", "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta",
+    "one_minus_square", "log2", "polynomial",
 })
 # Layout and shape ops: fused, or free views of their operand.
 LAYOUT = frozenset({
@@ -99,6 +100,7 @@ _TRANSCENDENTAL = frozenset({
     "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "sin", "cos", "tan", "erf",
     "erf_inv", "erfc", "pow", "rsqrt", "sqrt", "cbrt", "lgamma", "digamma", "atan2", "asin",
     "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "igamma", "polygamma", "zeta",
+    "log2",
 })
 RNG = frozenset({"random_bits", "rng_bit_generator", "threefry2x32", "random_seed",
                  "random_fold_in", "random_split", "random_wrap", "random_unwrap"})

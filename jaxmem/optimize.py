@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from jaxmem import _compat
 from jaxmem import blocks as blocks_lib
 from jaxmem import cache as cache_lib
 from jaxmem import emit as emit_lib
@@ -1271,12 +1272,10 @@ def _debug_info(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     """JAX's debug info of ``fun(*args, **kwargs)`` traced by jit (its name, file:line and
     the names of its dynamic argument leaves), or ``None`` when this JAX cannot make it."""
     try:
-        from jax._src import api_util
+        info = _compat.jit_debug_info(fun, args, kwargs, static, static_names)
     except ImportError as err:  # JAX's internals moved: errors then name jaxmem's wrapper
         logger.debug("no debug info for %r: %s", fun, err)
         return None
-    info = api_util.debug_info("jit", fun, args, kwargs, static_argnums=tuple(static),
-                               static_argnames=tuple(static_names))
     if info.arg_names is not None and len(info.arg_names) != len(jax.tree_util.tree_leaves(dyn)):
         logger.debug("debug info of %r names %d arguments for %d leaves; not used", fun,
                      len(info.arg_names), len(jax.tree_util.tree_leaves(dyn)))

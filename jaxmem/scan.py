@@ -28,6 +28,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
+from jaxmem import _compat
 from jaxmem.graph import MemGraph
 from jaxmem.trace import describe_source, flatten
 
@@ -178,7 +179,7 @@ def analyse_scan(graph: MemGraph, op: int) -> ScanInfo:
         raise ValueError(f"op {op} is not a scan of this graph; its scans are ops {found}. "
                          f"Fix: pass one of those ids, or call analyse_scans(graph).")
     trips = int(eqn.params["length"])
-    n_carry = int(eqn.params["num_carry"])
+    _, n_carry = _compat.scan_counts(eqn)
     phases = graph.program.phases
     described = _body_outputs(eqn.params["jaxpr"])
     residuals, readers = [], set()

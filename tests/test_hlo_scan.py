@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 import jaxmem
 from jaxmem import hlo
@@ -178,11 +177,16 @@ def _loop_bodies_per_iteration(trips: int) -> list[float]:
 def test_compiled_scan_iteration_traffic_does_not_grow_with_the_trip_count():
     # Each step reads and writes slices of the stacked residuals (f32[T,8,64,64]
     # for the softmax: T x 128 KiB); charging a stacked buffer to every step
-    # would grow the per-step figure with T. XLA may fuse the index scalar into
-    # a different kernel at another T, so allow a few bytes per step.
+    # would grow the per-step figure with T (by 12 x 128 KiB from T=4 to T=16).
+    # XLA chooses its fusions per trip count: it may fuse the index scalar into a
+    # different kernel (a few bytes), or have a second kernel of the body read an
+    # f32[8,64] slice of a stacked residual (2 KiB and its index) that one kernel
+    # reads at the other T (jax 0.12's XLA does at T=4, not at T=16), so the long
+    # loop may read up to one slice less per step.
     short, long = _loop_bodies_per_iteration(4), _loop_bodies_per_iteration(16)
+    slice_bytes = 8 * 64 * 4
     for a, b in zip(short, long):
-        assert b == pytest.approx(a, abs=64)
+        assert a - slice_bytes - 64 <= b <= a + 64
 
 
 _MIXED = """HloModule mixed_outputs, is_scheduled=true
