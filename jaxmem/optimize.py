@@ -700,16 +700,20 @@ def _nnx_aware(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _has_graph_nodes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a Flax NNX graph node is among ``args``/``kwargs`` (none can be when the
-    step's caller never imported ``flax.nnx``)."""
+    """Whether a Flax NNX object with state of its own (a Module, an Optimizer, ``Rngs``)
+    is among ``args``/``kwargs``. The Variables of an ``nnx.State`` (the functional form,
+    ``nnx.split`` outside the step) are graph nodes too, but a pure pytree of them is
+    traced as ``jax.jit`` traces it. None can be there when the caller never imported
+    ``flax.nnx``."""
     import sys
 
     if "flax.nnx" not in sys.modules:
         return False
+    from flax import nnx
     from flax.nnx import graph as nnx_graph
 
     leaves = jax.tree_util.tree_leaves((args, kwargs), is_leaf=nnx_graph.is_graph_node)
-    return any(nnx_graph.is_graph_node(x) for x in leaves)
+    return any(nnx_graph.is_graph_node(x) and not isinstance(x, nnx.Variable) for x in leaves)
 
 
 class Optimized:
