@@ -382,6 +382,14 @@ def _literal_key(atom: Any) -> tuple[str, int]:
     return ("literal", id(atom))
 
 
+def _inverse(permutation: Sequence[int]) -> tuple[int, ...]:
+    """The permutation that undoes ``permutation`` (a transpose's)."""
+    out = [0] * len(permutation)
+    for k, p in enumerate(permutation):
+        out[p] = k
+    return tuple(out)
+
+
 def _barrier(values: list[Any]) -> list[Any]:
     return list(jax.lax.optimization_barrier(values)) if values else values
 
@@ -603,6 +611,9 @@ class _Interpreter:
         self._constants: dict[int, bool] = {}  # version -> _constant(version), this run
         self.last_read = self._last_reads()
         self._folding_readers: set[int] | None = None
+        self._reader_count: list[int] | None = None
+        # (op, ids of its input values) -> (the input values, the outputs): see _issue.
+        self._issued: dict[tuple[int, tuple[int, ...]], tuple[list[Any], list[Any]]] = {}
         self._next_version = view.n_tensors + len(self.schedule.tensor_of)
         env: dict[int, Any] = dict(enumerate(flat_args))
         host: dict[int, Any] = {}
@@ -618,7 +629,9 @@ class _Interpreter:
                       if slot in back and v is not None and v >= view.n_inputs}
         on_host = _HostUpdate(self, events, back, {t: env[t] for t in self.placed})
         pending_host: list[int] = []      # offloaded tensors whose copy must finish before the next op
-        offloaded: dict[int, list[int]] = {}  # offloaded tensor -> chain its prefetch recomputes
+        # offloaded tensor -> chain its prefetch recomputes (first, where the copy is of a
+        # transposed matmul output: ("untranspose", its permutation))
+        offloaded: dict[int, list[Any]] = {}
         pending_pins: list[int] = []      # versions to tie into the next op
         scope_env: dict[int, dict[Any, Any]] = {}
         last_real: int | None = None
@@ -648,17 +661,26 @@ class _Interpreter:
             # (fused inputs are re-issued here too, from barriered roots), but values computed
             # from literals only: XLA folds them into their readers (a division by a keep
             # probability becomes a multiply), which a barrier would stop.
-            remat_reads = [r for ev in before if ev.kind in ("remat", "fused") for r in ev.reads
+            # A re-issued transpose of a matmul's output that the simplifier folds into the
+            # matmul reads the first transposed value instead (_folded_transpose).
+            folded = {id(ev): self._folded_transpose(ev, env) for ev in before
+                      if ev.kind in ("remat", "fused")}
+            remat_reads = [r for ev in before if ev.kind in ("remat", "fused")
+                           and folded[id(ev)] is None for r in ev.reads
                            if r is not None and r not in made_here and self._real(r)
                            and not self._constant(r)]
+            remat_reads += [v for v in folded.values() if v is not None]
             if not any(ev.kind == "remat" for ev in before):
                 remat_reads = []
             prefetch = [t for ev in before if ev.kind == "prefetch" for t in ev.tensors]
             fetch = sorted({r for ev in (*before, op_event) for r in ev.reads
                             if r is not None and r in unfetched})
             unfetched.difference_update(fetch)
+            # (Not a matmul's output a reader folds into the matmul: a tie would stop the
+            # fold, see _folded_into_reader; a pending copy then waits for the next op.)
             op_reads = [r for r in dict.fromkeys(op_event.reads)
-                        if r is not None and self._real(r) and r not in made_here]
+                        if r is not None and self._real(r) and r not in made_here
+                        and not self._folded_into_reader(r)]
             # Forward buffers a weight-gradient convolution reads last (_held_residuals).
             held = [r for r in self.held.get(j, ()) if r in env]
             delay_ties: list[int] = []
@@ -686,7 +708,13 @@ class _Interpreter:
                 chains += self._order_ties([r for r in reads if r not in pending_pins],
                                            block_ties, unfetched, delay=False)
             # A re-issue reads its inputs through the barrier at the start of their chains too.
-            chains += [self._start_of_chain(r, unfetched) for r in remat_reads + held]
+            # (A value a re-issued product reads is tied at its chain's start: the simplifier
+            # folds the constant scalings of a product's operands together, see
+            # _shared_buffer.)
+            scaled = {r for ev in before if ev.kind in ("remat", "fused")
+                      and view.primitives[ev.op] in ("mul", "div") for r in ev.reads}
+            chains += [self._start_of_chain(r, unfetched, shared=r not in scaled)
+                       for r in remat_reads + held]
             if held and not delay_ties and last_real is not None:
                 # With the main chain's newest buffer: a tie on the op's inputs could make
                 # a fused value (a gradient sum) a buffer of its own (ResNet-50: +0.6 ms).
@@ -715,8 +743,16 @@ class _Interpreter:
             for ev in before:
                 if ev.kind == "prefetch":
                     (t,), (w,) = ev.tensors, ev.writes
-                    self._replay(offloaded[t], jax.device_put(host[t], jax.memory.Space.Device),
-                                 w, env)
+                    chain, fetched = offloaded[t], jax.device_put(host[t], jax.memory.Space.Device)
+                    if chain and isinstance(chain[0], tuple):  # a transposed copy (see below)
+                        fetched = jax.lax.transpose(fetched, _inverse(chain[0][1]))
+                        chain = chain[1:]
+                    self._replay(chain, fetched, w, env)
+                elif folded[id(ev)] is not None and remat_reads:
+                    (w,) = [w for w in ev.writes if w is not None]
+                    env[w] = env[folded[id(ev)]]
+                    self.made_by[w] = self.made_by[folded[id(ev)]]
+                    self.issued_at[w] = len(self.issued_at)
                 else:  # remat / fused: re-issue the producer equation
                     self._issue(ev, env)
                     # The re-issued copy of a buffer the plain step writes out, left with
@@ -744,8 +780,9 @@ class _Interpreter:
             self._after_last_read(j, op_event, env)
             self._issue(op_event, env, scope_env.get(self.scopes[op_event.op]) if self.scopes else None)
             outs = [w for w in op_event.writes if w is not None and self._real(w)]
-            if outs:
-                last_real = outs[0]
+            # (Not a matmul's output that a reader folds into the matmul: a tie on it
+            # would change that reader's arithmetic, see _folded_into_reader.)
+            last_real = next((w for w in outs if not self._folded_into_reader(w)), last_real)
             # A re-issued tensor keeps fewer readers of its first copy; when one is left,
             # keep that copy a buffer as it was, or XLA fuses it into the lone reader and
             # a fused reduction may sum in another order (results would no longer be
@@ -753,7 +790,8 @@ class _Interpreter:
             # decides as in the plain step, where a cheap value such as a softmax's
             # exponential is recomputed inside each reader, never written (a barrier
             # would write and read it back once per layer, as jax.checkpoint does not).
-            # (Not a value the simplifier computes through: see _tie_point.) On the CPU
+            # (Not a value the simplifier computes through: see _tie_point; nor a matmul's
+            # output its lone reader folds into the matmul: see _folded_into_reader.) On the CPU
             # the barrier is gone before XLA fuses; a copy whose lone reader sums is kept
             # a buffer there by _kept_written (ResNet-50 small: the last block's residual
             # sum, re-issued for the ReLU's backward mask, left its first copy to the
@@ -762,7 +800,8 @@ class _Interpreter:
             for w in outs:
                 if w in self.lone_copies and self._opaque(w):
                     env[w] = _kept_written(env[w])
-            kept = [w for w in outs if w in self.split and self._opaque(w)]
+            kept = [w for w in outs if w in self.split and self._opaque(w)
+                    and not self._folded_into_reader(w)]
             if kept:
                 for w, value in zip(kept, _barrier([env[w] for w in kept])):
                     env[w] = value
@@ -773,7 +812,17 @@ class _Interpreter:
                 # recomputes the chain, which XLA simplifies as in the plain step.
                 (t,) = ev.tensors
                 root, offloaded[t] = self._tie_point(ev.reads[0], unfetched, buffers_only=False)
-                host[t] = jax.device_put(env[root], jax.memory.Space.Host)
+                value = env[root]
+                folding = self._folding_transpose(root)
+                if folding is not None:
+                    # The copy of a matmul's output read by a transpose the simplifier folds
+                    # into the matmul is of the transposed value (the transpose the reader
+                    # then issues is the same one), and the prefetch transposes it back:
+                    # a copy of the output itself would stop the fold (other bits).
+                    value = self._issue_first(folding, env)
+                    offloaded[t] = [("untranspose", self.eqns[folding].params["permutation"]),
+                                    *offloaded[t]]
+                host[t] = jax.device_put(value, jax.memory.Space.Host)
                 pending_host.append(t)
             for w in op_event.writes:
                 if w in write_back:
@@ -865,12 +914,18 @@ class _Interpreter:
         The simplifier folds a transpose or reshape of a matmul's output into the
         matmul, and XLA's CPU backend an addition of it into the matmul's output
         (GPT-2's query, key and value input gradients summed). A barrier on the
-        output stops both, and the matmul runs another kernel: other bits.
+        output stops both, and the matmul runs another kernel: other bits. A
+        reduction of a batched matmul's output reads it through the reshape XLA
+        gives the matmul (``(8, 8, 16)`` computed as ``(64, 16)``), which the
+        simplifier merges into the reduction, and the tree reduction rewriter then
+        splits the longer sum (64 rows) where it leaves two short ones (8 and 8):
+        a barrier between them changes the order of the sum (an Equinox LayerNorm
+        bias gradient, read through a barrier delaying a re-issue).
         """
         if not self._folds_layout(version):
             return False
         if self._folding_readers is None:
-            folding = LAYOUT_PRIMITIVES | _ADDITIONS
+            folding = LAYOUT_PRIMITIVES | _ADDITIONS | plan_lib.REDUCTIONS
             self._folding_readers = {
                 t for op, slots in enumerate(self.view.in_slots)
                 if self.view.primitives[op] in folding for t in slots if t is not None}
@@ -911,7 +966,20 @@ class _Interpreter:
                 invals.append(self._atom(op, slot, r, env))
             if (op, slot) in self.hidden:
                 invals[-1] = _call_parameter(invals[-1])
-        outs = bind_equation(self.eqns[op], invals)
+        # An equation issued again on the very values it read before computes the value
+        # it computed then: a fused value the schedule recomputes for a later reader
+        # reads the first one, as the plain step's readers do. A copy of the equation
+        # would be a chain of its own, with one reader, that the simplifier rewrites
+        # before CSE could merge it with the first (a transpose sunk below a bias add,
+        # and the matmul it no longer folds into runs another kernel).
+        key = (op, tuple(map(id, invals)))
+        first = self._issued.get(key) if ev.kind in ("op", "fused") else None
+        if first is not None:
+            outs = first[1]
+        else:
+            outs = bind_equation(self.eqns[op], invals)
+            if ev.kind in ("op", "fused") and not self.eqns[op].effects:
+                self._issued[key] = (invals, outs)  # (invals: kept alive, so ids stay theirs)
         for w, value in zip(ev.writes, outs):
             if w is not None:
                 env[w] = value
@@ -963,6 +1031,7 @@ class _Interpreter:
         """
         def clean(walks: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
             return [w for w in walks if self._opaque(w[0]) and not self._constant(w[0])
+                    and not self._folded_into_reader(w[0])
                     and not (delay and self._tensor(w[0]) < self.view.n_inputs)]
 
         usual = [self._tie_point(r, unfetched) for r in fallback]
@@ -981,13 +1050,16 @@ class _Interpreter:
             return [min(fused, key=lambda w: self.nbytes[self._tensor(w[0])])]
         return usual
 
-    def _start_of_chain(self, version: int, unfetched: set[int]) -> tuple[int, list[int]]:
+    def _start_of_chain(self, version: int, unfetched: set[int], shared: bool = True
+                        ) -> tuple[int, list[int]]:
         """:meth:`_tie_point` of ``version``, up to a fused value if the chain starts there.
 
         A re-issue must read every input through the barrier; where the chain to
         an input starts at a fused value (the comparison under a mask), that value
         is tied: the barrier then hides nothing the simplifier would rewrite.
         """
+        if shared and self._shared_buffer(version):
+            return version, []
         walk = self._tie_point(version, unfetched, buffers_only=False)
         if self._folds_layout(walk[0]):
             # A chain from a matmul is re-issued as it was (a new copy of its layout
@@ -996,6 +1068,84 @@ class _Interpreter:
         if self._opaque(walk[0]) and not self._constant(walk[0]):
             return walk
         return self._tie_point(version, unfetched)
+
+    def _folding_transpose(self, version: int) -> int | None:
+        """The transpose op that the simplifier folds into ``version``'s matmul (the matmul's
+        only reader in the plain step), if there is one."""
+        if not self._folds_layout(version):
+            return None
+        tensor = self._tensor(version)
+        if self._readers(tensor) != 1:
+            return None
+        (op,) = [op for op in range(self.view.n_ops) if tensor in self.view.inputs_of(op)]
+        return op if self.view.primitives[op] == "transpose" else None
+
+    def _issue_first(self, op: int, env: dict[int, Any]) -> Any:
+        """The output of ``op`` on the values its first issue will read, issued now; that
+        issue then reads it (see :meth:`_issue`)."""
+        invals = [self._atom(op, slot, t, env) for slot, t in enumerate(self.view.in_slots[op])]
+        (out,) = bind_equation(self.eqns[op], invals)
+        self._issued[(op, tuple(map(id, invals)))] = (invals, [out])
+        return out
+
+    def _folded_transpose(self, ev: plan_lib.Event, env: dict[int, Any]) -> int | None:
+        """The first version of the transpose ``ev`` re-issues, where the simplifier folds it
+        into the matmul it reads; else None.
+
+        In the plain step ``transpose(dot(a, b))``, the matmul's only reader, becomes one
+        matmul with its operands swapped (another kernel: other bits). A re-issue of the
+        transpose that read the matmul's output through the barrier would give the
+        matmul a second reader, and the forward matmul would no longer be folded. The
+        re-issue reads the first transposed value through the barrier instead (the same
+        bytes, alive in its place).
+        """
+        op = ev.op
+        if op is None or self.view.primitives[op] != "transpose":
+            return None
+        reads = [r for r in ev.reads if r is not None]
+        writes = [w for w in ev.writes if w is not None]
+        if len(reads) != 1 or len(writes) != 1 or not self._folds_layout(reads[0]):
+            return None
+        if self._readers(self._tensor(reads[0])) != 1:
+            return None
+        first = self._tensor(writes[0])
+        made = self.made_by.get(first)
+        if first not in env or made is None or tuple(made.reads) != tuple(ev.reads):
+            return None
+        return first
+
+    def _shared_buffer(self, version: int) -> bool:
+        """Whether the plain step writes ``version``'s tensor out and two ops or more read it.
+
+        The simplifier rewrites a reader together with the chain its operand is
+        computed through only where that chain has no other reader. In the plain
+        step such a value is a buffer its readers read as it is, so a re-issue
+        reads it through the barrier as it is: a chain recomputed for the
+        re-issue alone would have the re-issue as its only reader, and the
+        simplifier would rewrite that copy (a reduction moves the transposes
+        before it out, and the constant scalings they separated fold together)
+        and compute other bits. Not for a re-issued product: the simplifier folds
+        the constant scalings of its operands together, shared or not
+        (``(1.5 * x) * mean(1.5 * x)`` computes ``x * (sum * 0.25)``), so its
+        operand's chain is recomputed after the tie for the product to see.
+        """
+        tensor = self._tensor(version)
+        if not self.view.materialized[tensor] or self._primitive(version) in LAYOUT_PRIMITIVES:
+            # A layout op's readers are rewritten through it whatever its other readers
+            # (a multiply by a converted mask becomes a select; a broadcast is recomputed
+            # in each reader): the chain's start is tied (see _start_of_chain).
+            return False
+        return self._readers(tensor) > 1
+
+    def _readers(self, tensor: int) -> int:
+        """How many ops of the plain step read ``tensor``."""
+        if self._reader_count is None:
+            count = [0] * self.view.n_tensors
+            for op in range(self.view.n_ops):
+                for t in self.view.inputs_of(op):
+                    count[t] += 1
+            self._reader_count = count
+        return self._reader_count[tensor]
 
     def _primitive(self, version: int) -> str | None:
         ev = self.made_by.get(version)

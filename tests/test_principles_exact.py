@@ -1,0 +1,108 @@
+"""Re-issues and host copies that XLA:CPU used to compile into other arithmetic than the plain
+step, on corpus steps (``tests/corpus``): each plan here must give ``jax.jit(step)``'s bits.
+
+* a matmul's output that a transpose reads (``jax.vmap`` of an ``eqx.nn.Linear``): XLA folds
+  the transpose into the matmul (a matmul with its operands swapped) only while it is the
+  matmul's one reader, so the emitter neither ties nor copies the output itself;
+* a value re-issued for a weight gradient, whose fused inputs the schedule recomputes for
+  later readers too (each such copy reads the first one: ``jaxmem.emit._Interpreter._issue``);
+* a LayerNorm output re-issued for its weight gradient (no barrier on a batched matmul's
+  output that a sum reads);
+* a sum whose copy would keep one reader (``jaxmem.planners._principles.lone_sums``).
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+import corpus
+from jaxmem import emit, plan as plan_lib
+from jaxmem.costmodel import CostModel
+from jaxmem.graph import build_graph
+from jaxmem.planners import _principles
+
+
+def _step(name):
+    step_fn, args, donate = corpus.steps()[name]()
+    graph = build_graph(step_fn, *args, target=corpus.TARGET, donate_argnums=donate)
+    return graph, args, jax.jit(step_fn)(*args)
+
+
+def _differs(graph, args, expected, plan) -> str:
+    return corpus.ulps(expected, jax.jit(emit.emit(graph, plan))(*args))
+
+
+def _readers(graph, tensor):
+    return [k for k, op in enumerate(graph.ops) if tensor in op.inputs]
+
+
+def _first_backward(graph) -> int:
+    view = plan_lib.view(graph)
+    return next(k for k, phase in enumerate(view.phases) if phase == "backward")
+
+
+def _transposed_matmuls(graph):
+    """Matmul outputs whose one reader is a transpose."""
+    return [op.outputs[0] for op in graph.ops if op.primitive == "dot_general"
+            and [graph.ops[k].primitive for k in _readers(graph, op.outputs[0])] == ["transpose"]]
+
+
+@pytest.mark.parametrize("name", ["equinox_mlp", "equinox_filter_checkpoint"])
+def test_reissued_transposed_matmul_output_keeps_the_bits(name):
+    graph, args, expected = _step(name)
+    tensors = _transposed_matmuls(graph)
+    assert tensors
+    plan = plan_lib.unplanned(graph).replace(remat={tensors[0]: (_first_backward(graph),)})
+    assert not _differs(graph, args, expected, plan)
+
+
+def test_offloaded_transposed_matmul_output_keeps_the_bits():
+    graph, args, expected = _step("equinox_mlp")
+    tensor = _transposed_matmuls(graph)[0]
+    plan = plan_lib.unplanned(graph).replace(offload={tensor: _first_backward(graph)})
+    assert not _differs(graph, args, expected, plan)
+
+
+@pytest.mark.parametrize("name", ["equinox_mlp", "equinox_gpt_block"])
+def test_value_reissued_for_its_weight_gradient_keeps_the_bits(name):
+    """Each written value that two matmuls read, re-issued for the later one (the weight
+    gradient), alone."""
+    graph, args, expected = _step(name)
+    cases = [(op.outputs[0], readers[-1]) for op in graph.ops if op.outputs
+             and graph.tensors[op.outputs[0]].materialized and op.primitive in ("mul", "add")
+             for readers in [_readers(graph, op.outputs[0])]
+             if len(readers) == 2 and all(graph.ops[k].primitive == "dot_general"
+                                           for k in readers)]
+    assert cases
+    for tensor, at in cases:
+        plan = plan_lib.unplanned(graph).replace(remat={tensor: (at,)})
+        assert not _differs(graph, args, expected, plan), (tensor, at)
+
+
+def test_a_sum_left_with_one_reader_is_not_reissued():
+    """The cross-entropy's sum of exponentials, re-issued for the first backward op that
+    reads it: its first copy keeps the loss as its one reader."""
+    graph, args, expected = _step("linen_batchnorm_convnet")
+    (tensor,) = [op.outputs[0] for op in graph.ops if op.primitive == "reduce_sum"
+                 and graph.ops[graph.tensors[op.inputs[0]].producer].primitive == "exp"]
+    view = plan_lib.view(graph)
+    later = [k for k in range(_first_backward(graph), view.n_ops)
+             if any(t in view.inputs_of(k) for t in _fused_readers(graph, tensor))]
+    plan = plan_lib.unplanned(graph).replace(remat={tensor: (later[0],)})
+    assert _principles.lone_sums(graph, plan) == {tensor}
+    exact = _principles.made_exact(graph, plan, CostModel.for_target("cpu"))
+    assert tensor not in exact.remat and any("single reader" in n for n in exact.notes)
+    assert not _differs(graph, args, expected, exact)
+
+
+def _fused_readers(graph, tensor):
+    """``tensor`` and the fused values computed from it."""
+    out, todo = {tensor}, [tensor]
+    while todo:
+        for k in _readers(graph, todo.pop()):
+            for w in graph.ops[k].outputs:
+                if w not in out and not graph.tensors[w].materialized:
+                    out.add(w)
+                    todo.append(w)
+    return out
