@@ -51,7 +51,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from jaxmem import plan as plan_lib
 
@@ -299,22 +299,28 @@ def masked_sums(graph: Any) -> frozenset[int]:
     return frozenset(out)
 
 
-def without_masked_sums(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
-    """``plan`` without re-issues of :func:`masked_sums`, re-simulated."""
-    dropped = sorted(set(plan.remat) & masked_sums(graph)) if plan.remat else []
+def _without_reissues(graph: Any, plan: plan_lib.Plan, dropped: Sequence[int], what: str,
+                      why: str) -> plan_lib.Plan:
+    """``plan`` without the re-issues of ``dropped`` (``what`` they are, one of them and
+    several, and ``why``), re-simulated, with a note and an INFO line saying so."""
     if not dropped:
         return plan
     kept = plan.replace(remat={t: p for t, p in plan.remat.items() if t not in dropped})
     peak, status = _resimulated(graph, kept)
     names = ", ".join(f"t{t}" for t in dropped[:8]) + (", ..." if len(dropped) > 8 else "")
-    logger.info("%s: dropped the re-issues of %d randomly masked values read by sums (%s)",
-                plan.planner, len(dropped), names)
-    return kept.replace(
-        predicted_peak_bytes=peak, status=status,
-        notes=(*kept.notes, f"dropped the re-issues of {len(dropped)} randomly masked "
-                            f"value{'s' if len(dropped) > 1 else ''} read by sums ({names}): "
-                            f"XLA:CPU fuses a re-issued copy into the sums, which then add "
-                            f"in another order than the plain step's"))
+    logger.info("%s: dropped the re-issues of %d %s (%s)", plan.planner, len(dropped), what,
+                names)
+    return kept.replace(predicted_peak_bytes=peak, status=status, notes=(
+        *kept.notes, f"dropped the re-issues of {len(dropped)} {what} ({names}): {why}"))
+
+
+def without_masked_sums(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
+    """``plan`` without re-issues of :func:`masked_sums`, re-simulated."""
+    dropped = sorted(set(plan.remat) & masked_sums(graph)) if plan.remat else []
+    return _without_reissues(
+        graph, plan, dropped, "randomly masked values read by sums",
+        "XLA:CPU fuses a re-issued copy into the sums, which then add in another order than "
+        "the plain step's")
 
 
 # Reductions whose result depends on the order they add in (a max does not).
@@ -348,20 +354,11 @@ def lone_sums(graph: Any, plan: plan_lib.Plan) -> frozenset[int]:
 
 def without_lone_sums(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
     """``plan`` without re-issues of :func:`lone_sums`, re-simulated."""
-    dropped = sorted(lone_sums(graph, plan))
-    if not dropped:
-        return plan
-    kept = plan.replace(remat={t: p for t, p in plan.remat.items() if t not in dropped})
-    peak, status = _resimulated(graph, kept)
-    names = ", ".join(f"t{t}" for t in dropped[:8]) + (", ..." if len(dropped) > 8 else "")
-    logger.info("%s: dropped the re-issues of %d sums that would keep a single reader (%s)",
-                plan.planner, len(dropped), names)
-    return kept.replace(
-        predicted_peak_bytes=peak, status=status,
-        notes=(*kept.notes, f"dropped the re-issues of {len(dropped)} "
-                            f"sum{'s' if len(dropped) > 1 else ''} a copy of which would keep "
-                            f"a single reader ({names}): XLA:CPU fuses such a sum into its "
-                            f"reader, which then adds in another order than the plain step"))
+    return _without_reissues(
+        graph, plan, sorted(lone_sums(graph, plan)),
+        "sums a copy of which would keep a single reader",
+        "XLA:CPU fuses such a sum into its reader, which then adds in another order than the "
+        "plain step")
 
 
 def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool = True
