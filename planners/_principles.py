@@ -24,12 +24,6 @@ The registry (:func:`jaxmem.planners.register`) wraps each planner function so t
   re-issued copy would multiply in another order than the plain step; so does a
   product among the fused values recomputed with a re-issued value (a constant
   scaling of a layout chain from ``(1.5 * x) * mean(x)``);
-* under ``bitwise=True``, no plan re-issues a sum a copy of which would be left with
-  one reader that sums (:func:`lone_sums`): the plain step writes the sum out for its
-  readers, while XLA:CPU fuses a sum with one reader into that reader's loop, which
-  adds in another order (the cross-entropy's sum of exponentials re-issued for its
-  gradient changed the loss by 1 ulp). The re-issue is dropped and the plan
-  re-simulated;
 * under ``bitwise=True``, no plan re-issues a buffer that applies a random mask
   (dropout's ``select_n(mask, x / keep, 0)``, ``mask * x / keep``, a sum it is fused
   into) and that a reduction reads
@@ -323,53 +317,14 @@ def without_masked_sums(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
         "the plain step's")
 
 
-# Reductions whose result depends on the order they add in (a max does not).
-_ORDERED_SUMS = frozenset({"reduce_sum", "reduce_prod"})
-
-
-def lone_sums(graph: Any, plan: plan_lib.Plan) -> frozenset[int]:
-    """Re-issued sums a copy of which (the first or a re-issued one) is left with one reader
-    that sums, or whose fused output a sum reads (the emitter's lone copies).
-
-    The plain step writes such a sum out for its readers (a reduction XLA does not
-    duplicate into each of them); a copy with one reader is a producer XLA:CPU fuses
-    into that reader's loop fusion, where the sum is computed inside the loop and adds
-    in another order. The emitter keeps a lone copy of an elementwise value a buffer
-    (``jaxmem.emit._kept_written``), but the loop fusion takes the reduction in with it.
-    """
-    from jaxmem.emit import _Interpreter
-
-    if not plan.remat:
-        return frozenset()
-    view = plan_lib.view(graph)
-    schedule = plan_lib.build_schedule(view, plan)
-    out = set()
-    for w in _Interpreter._lone_copies(schedule):
-        t = schedule.tensor(w)
-        op = view.producer[t]
-        if t in plan.remat and op is not None and view.primitives[op] in _ORDERED_SUMS:
-            out.add(t)
-    return frozenset(out)
-
-
-def without_lone_sums(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
-    """``plan`` without re-issues of :func:`lone_sums`, re-simulated."""
-    return _without_reissues(
-        graph, plan, sorted(lone_sums(graph, plan)),
-        "sums a copy of which would keep a single reader",
-        "XLA:CPU fuses such a sum into its reader, which then adds in another order than the "
-        "plain step")
-
-
 def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool = True
                ) -> plan_lib.Plan:
     """``plan`` under the rules of the module docstring that follow planning: no decision on
-    constants; under ``bitwise``, no re-issued masked sum or lone sum, and the scaled
-    operands added."""
+    constants; under ``bitwise``, no re-issued masked sum, and the scaled operands added."""
     plan = without_constant_decisions(graph, plan, cost_model)
     if not bitwise:
         return plan
-    plan = without_lone_sums(graph, without_masked_sums(graph, plan))
+    plan = without_masked_sums(graph, plan)
     return with_scaled_operands(graph, plan)
 
 

@@ -7,8 +7,7 @@ step, on corpus steps (``tests/corpus``): each plan here must give ``jax.jit(ste
 * a value re-issued for a weight gradient, whose fused inputs the schedule recomputes for
   later readers too (each such copy reads the first one: ``jaxmem.emit._Interpreter._issue``);
 * a LayerNorm output re-issued for its weight gradient (no barrier on a batched matmul's
-  output that a sum reads);
-* a sum whose copy would keep one reader (``jaxmem.planners._principles.lone_sums``).
+  output that a sum reads).
 """
 
 from __future__ import annotations
@@ -18,9 +17,7 @@ import pytest
 
 import corpus
 from jaxmem import emit, plan as plan_lib
-from jaxmem.costmodel import CostModel
 from jaxmem.graph import build_graph
-from jaxmem.planners import _principles
 
 
 def _step(name):
@@ -78,31 +75,3 @@ def test_value_reissued_for_its_weight_gradient_keeps_the_bits(name):
     for tensor, at in cases:
         plan = plan_lib.unplanned(graph).replace(remat={tensor: (at,)})
         assert not _differs(graph, args, expected, plan), (tensor, at)
-
-
-def test_a_sum_left_with_one_reader_is_not_reissued():
-    """The cross-entropy's sum of exponentials, re-issued for the first backward op that
-    reads it: its first copy keeps the loss as its one reader."""
-    graph, args, expected = _step("linen_batchnorm_convnet")
-    (tensor,) = [op.outputs[0] for op in graph.ops if op.primitive == "reduce_sum"
-                 and graph.ops[graph.tensors[op.inputs[0]].producer].primitive == "exp"]
-    view = plan_lib.view(graph)
-    later = [k for k in range(_first_backward(graph), view.n_ops)
-             if any(t in view.inputs_of(k) for t in _fused_readers(graph, tensor))]
-    plan = plan_lib.unplanned(graph).replace(remat={tensor: (later[0],)})
-    assert _principles.lone_sums(graph, plan) == {tensor}
-    exact = _principles.made_exact(graph, plan, CostModel.for_target("cpu"))
-    assert tensor not in exact.remat and any("single reader" in n for n in exact.notes)
-    assert not _differs(graph, args, expected, exact)
-
-
-def _fused_readers(graph, tensor):
-    """``tensor`` and the fused values computed from it."""
-    out, todo = {tensor}, [tensor]
-    while todo:
-        for k in _readers(graph, todo.pop()):
-            for w in graph.ops[k].outputs:
-                if w not in out and not graph.tensors[w].materialized:
-                    out.add(w)
-                    todo.append(w)
-    return out
