@@ -685,8 +685,8 @@ def _tuple(x: Any, kind: type) -> tuple[Any, ...]:
 
 
 def _nnx_aware(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method``, called with Flax NNX graph nodes (Modules, Optimizers, Variables) among
-    the arguments, goes to this step wrapped in ``nnx.jit`` instead (made once, with the
+    """``method``, called with Flax NNX objects among the arguments (Modules, Optimizers,
+    ``Rngs``: :func:`_has_graph_nodes`), goes to this step wrapped in ``nnx.jit`` instead (made once, with the
     same static and donated arguments), so that the objects the step updates in place are
     updated as ``nnx.jit`` updates them; ``jax.jit`` would drop those updates silently."""
 
