@@ -611,7 +611,7 @@ class _Interpreter:
         self._constants: dict[int, bool] = {}  # version -> _constant(version), this run
         self.last_read = self._last_reads()
         self._folding_readers: set[int] | None = None
-        self._reader_count: list[int] | None = None
+        self._reader_lists: list[list[int]] | None = None
         # (op, ids of its input values) -> (the input values, the outputs): see _issue.
         self._issued: dict[tuple[int, tuple[int, ...]], tuple[list[Any], list[Any]]] = {}
         self._next_version = view.n_tensors + len(self.schedule.tensor_of)
@@ -1077,7 +1077,7 @@ class _Interpreter:
         tensor = self._tensor(version)
         if self._readers(tensor) != 1:
             return None
-        (op,) = [op for op in range(self.view.n_ops) if tensor in self.view.inputs_of(op)]
+        (op,) = self._reader_ops(tensor)
         return op if self.view.primitives[op] == "transpose" else None
 
     def _issue_first(self, op: int, env: dict[int, Any]) -> Any:
@@ -1137,15 +1137,19 @@ class _Interpreter:
             return False
         return self._readers(tensor) > 1
 
-    def _readers(self, tensor: int) -> int:
-        """How many ops of the plain step read ``tensor``."""
-        if self._reader_count is None:
-            count = [0] * self.view.n_tensors
+    def _reader_ops(self, tensor: int) -> list[int]:
+        """The ops of the plain step that read ``tensor``, once per input slot."""
+        if self._reader_lists is None:
+            lists: list[list[int]] = [[] for _ in range(self.view.n_tensors)]
             for op in range(self.view.n_ops):
                 for t in self.view.inputs_of(op):
-                    count[t] += 1
-            self._reader_count = count
-        return self._reader_count[tensor]
+                    lists[t].append(op)
+            self._reader_lists = lists
+        return self._reader_lists[tensor]
+
+    def _readers(self, tensor: int) -> int:
+        """How many ops of the plain step read ``tensor`` (an op reading it twice, twice)."""
+        return len(self._reader_ops(tensor))
 
     def _primitive(self, version: int) -> str | None:
         ev = self.made_by.get(version)
