@@ -14,6 +14,7 @@ import math
 import numbers
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -180,6 +181,12 @@ class Config:
         target's roofline total; the plan's notes say what was measured. A
         profile that fails (the plain step does not fit the device) is
         reported and the roofline used.
+      options: further options for the planner, by name (e.g. ``{"max_nodes":
+        120}`` or ``{"deterministic_time_s": 2.0}`` for ``cpsat``; each planner's
+        docstring lists its own). A planner refuses a name it does not know with
+        a ``ValueError``; the options this config sets itself (``time_limit_s``,
+        ``seed``, ``bitwise``, the ``allow_*`` switches, ``host_budget_bytes``)
+        are refused here: set the field instead.
     """
 
     budget: int | str | float | None = None
@@ -197,6 +204,7 @@ class Config:
     verify_rounds: int = 4
     plan_cache: "str | os.PathLike[str] | bool | None" = None
     op_times: OpTimesChoice = "roofline"
+    options: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.target not in TARGET_CHOICES:
@@ -229,6 +237,17 @@ class Config:
         if self.op_times not in OP_TIMES:
             raise ValueError(f"Config(op_times={self.op_times!r}): allowed values are "
                              f"{', '.join(OP_TIMES)}")
+        if self.options is not None:
+            if not isinstance(self.options, Mapping) or not all(
+                    isinstance(k, str) for k in self.options):
+                raise ValueError(f"Config(options={self.options!r}) must be a mapping from "
+                                 f"option names to values, or None")
+            own = sorted(set(self.options) & _FIELD_OPTIONS)
+            if own:
+                raise ValueError(f"Config(options=...) sets {', '.join(own)}, which the config "
+                                 f"sets itself: use the Config field instead")
+            # frozen and hashable, as the other fields: the options as a read-only mapping
+            object.__setattr__(self, "options", _FrozenOptions(self.options))
         if not isinstance(self.verify_rounds, int) or self.verify_rounds < 1:
             raise ValueError(f"Config(verify_rounds={self.verify_rounds!r}) must be an int >= 1")
         if not (self.plan_cache is None or isinstance(self.plan_cache, (bool, str, os.PathLike))) \
@@ -293,12 +312,47 @@ class Config:
         return half if round_index == 0 else half / (self.verify_rounds - 1)
 
     def planner_options(self, round_index: int = 0) -> dict[str, Any]:
-        """The options every planner receives (in verify round ``round_index``)."""
+        """The options the planner receives (in verify round ``round_index``): the
+        fields' and then :attr:`options`."""
+        return {**self._field_options(round_index), **(self.options or {})}
+
+    def _field_options(self, round_index: int = 0) -> dict[str, Any]:
         return {"allow_remat": self.allow_remat, "allow_offload": self.allow_offload,
                 "allow_reorder": self.allow_reorder,
                 "allow_state_offload": self.allow_state_offload, "bitwise": self.exact,
                 "host_budget_bytes": self.host_budget_bytes,
                 "time_limit_s": self.round_time_limit_s(round_index), "seed": self.seed}
+
+
+# The planner options a Config sets from its own fields (planner_options).
+_FIELD_OPTIONS = frozenset({"allow_remat", "allow_offload", "allow_reorder",
+                            "allow_state_offload", "bitwise", "host_budget_bytes",
+                            "time_limit_s", "seed"})
+
+
+class _FrozenOptions(Mapping[str, Any]):
+    """:attr:`Config.options` as given, read-only and hashable (by its sorted items)."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self._items = dict(options)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted((k, repr(v)) for k, v in self._items.items())))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self._items) == dict(other)
+
+    def __repr__(self) -> str:
+        return repr(self._items)
 
 
 def _check_planner(name: str) -> None:

@@ -58,7 +58,8 @@ from jaxmem.planners._cpsat_progress import Progress, Units, enabled as progress
 
 logger = logging.getLogger(__name__)
 
-# Share of the time limit given as CP-SAT deterministic time (reproducible stop).
+# Share of the time limit given as CP-SAT deterministic time (reproducible stop) when the
+# caller names no deterministic budget of its own.
 _DET_SHARE = 0.5
 # The search's wall-clock limit when building the model took all of time_limit_s.
 _MIN_WALL_S = 0.1
@@ -461,7 +462,8 @@ class _Model:
 
 
 def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
-          deterministic: bool = True, hint: tuple[Schedule, Evaluation] | None = None,
+          deterministic: bool = True, deterministic_time_s: float | None = None,
+          hint: tuple[Schedule, Evaluation] | None = None,
           tie_break_peak: bool = True, log: bool = False,
           extra_params: Mapping[str, Any] | None = None, units: Units | None = None,
           label: str = "") -> SolveResult:
@@ -472,8 +474,9 @@ def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
     process with "Check failed: heuristics.fixed_search != nullptr" on some of
     our models, e.g. the zoo's tiny mlp train step at half its peak; a
     single-worker search is deterministic by itself) and the solve also stops
-    after ``_DET_SHARE * time_limit_s`` of CP-SAT's deterministic time (work
-    units independent of machine load; about a second each on an idle core):
+    after ``deterministic_time_s`` of CP-SAT's deterministic time (work units
+    independent of machine load; about a second each on an idle core; by default
+    ``_DET_SHARE * time_limit_s``):
     the same problem and seed give the same schedule whenever the solve ends by
     itself or by that limit. When the wall clock (``time_limit_s`` from the
     call, building the model included) stops it first, as on a loaded machine,
@@ -495,12 +498,19 @@ def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
     prm.max_time_in_seconds = max(float(time_limit_s) - (time.perf_counter() - started),
                                   _MIN_WALL_S)
     if deterministic:
-        prm.max_deterministic_time = _DET_SHARE * float(time_limit_s)
+        prm.max_deterministic_time = float(_DET_SHARE * time_limit_s if deterministic_time_s is None
+                                           else deterministic_time_s)
     if len(problem.nodes) > _LIGHT_PRESOLVE_NODES:
         # full presolve (probing to a fixed point) costs seconds per round on big models
         # and proves little there; a single light round lets the search start early
         prm.max_presolve_iterations = 1
         prm.cp_model_probing_level = 0
+        if problem.fixed_order is None:
+            # With the order free, even that round ran 34 s on a 60-node model (a small
+            # Flax LM) without counting any deterministic time, so the wall clock cut it
+            # where the machine's speed put it, and the search after it differed from one
+            # machine to the next. The search starts from the fixed-order solution's hint.
+            prm.cp_model_presolve = False
     for key, value in (extra_params or {}).items():
         setattr(prm, key, value)
     progress = (Progress(model, units, label or "solve", started)

@@ -35,15 +35,23 @@ How it runs, within ``time_limit_s``:
 2. **Fixed order.** The order of the warm start is kept and CP-SAT decides
    remat and offload (fast; often proven optimal for that order).
 3. **Joint.** With ``allow_reorder``, the full model is solved, hinted with the
-   step-2 solution, for the rest of the time. Steps 2 and 3 end by
-   ``time_limit_s`` less the time one simulation of the plan took (step 4 makes
-   one more), building their models included, and get at least a second even
-   when the heuristics overran (the notes give each heuristic's seconds and say
-   when less than a quarter of the limit was left). A plan therefore takes about
-   ``time_limit_s``; a search that overruns its share by one simulation can add a
-   second or two on a large step, and the bench records the time taken as
-   ``solve_time_s``. A search or solve stopped by the clock rather than by its
-   own end may not repeat exactly; the notes say where.
+   step-2 solution, for the rest of the time (without CP-SAT's presolve above 40
+   nodes: there it ran for tens of seconds without counting deterministic time, so
+   where the clock cut it depended on the machine). Steps 2 and 3 share
+   ``deterministic_time_s`` of CP-SAT's deterministic time (40% and 60%; by
+   default half of ``time_limit_s``), a budget fixed by the options alone, so
+   that however long the heuristics took the same step gets the same solves. By
+   the wall clock they end by ``time_limit_s`` less the time one simulation of
+   the plan took (step 4 makes one more), building their models included, and get
+   at least a second even when the heuristics overran (the notes give each
+   heuristic's seconds and say when less than a quarter of the limit was left);
+   with ``deterministic``, each solve may run to three times its deterministic
+   budget, so that a loaded machine still stops at the deterministic limit. A
+   plan therefore takes about ``time_limit_s`` on an idle machine; a search that
+   overruns its share by one simulation can add a second or two on a large step,
+   and the bench records the time taken as ``solve_time_s``. A search or solve
+   stopped by the clock rather than by its own end may not repeat exactly; the
+   notes say where.
 4. **Check.** The solution becomes a :class:`~jaxmem.plan.Plan`; the simulator
    (:func:`jaxmem.plan.simulate_plan`) sets ``predicted_peak_bytes`` and the
    shared estimate (:func:`jaxmem.planners.sublinear.estimate_time_s`) sets
@@ -82,7 +90,8 @@ one worker — its deterministic multi-worker mode crashes the process on some o
 our models with OR-Tools 9.15 — and each solve also stops at a deterministic-time
 limit, so the same inputs and seed give the same plan unless the wall clock stops
 a solve first, which the notes then say; False: ``num_workers`` workers, not
-repeatable),
+repeatable), ``deterministic_time_s`` (None: half of ``time_limit_s``; CP-SAT's
+deterministic time for steps 2 and 3 together),
 ``tie_blocks`` (False: equal decisions for items at the same place of repeated
 layers), ``min_decision_bytes`` (buffers smaller than this are always kept;
 default ``budget / 2000``: fewer variables, little memory left on the table),
@@ -130,6 +139,7 @@ DEFAULTS: dict[str, Any] = {
     "time_limit_s": 30.0, "num_workers": 2, "seed": 0, "allow_remat": True,
     "allow_offload": True, "allow_reorder": True, "max_copies": 2, "max_nodes": 60,
     "reserve_bytes": 0, "host_budget_bytes": 64 << 30, "deterministic": True,
+    "deterministic_time_s": None,
     "tie_blocks": False, "min_decision_bytes": None,
     # one simulation each first (their plans do not depend on the budget: a re-plan of
     # the verify loop reuses them), then the searches, which share what is left
@@ -145,6 +155,11 @@ _HEURISTIC_SHARE = 0.5
 _FIXED_PLANS = frozenset({"chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks"})
 _FIXED_SHARE = 0.4
 _MIN_SOLVE_S = 1.0
+# CP-SAT's deterministic time for both solves, as a share of the time limit (about a
+# second of work per unit on an idle core), unless deterministic_time_s is given; and how
+# many times its deterministic budget a solve may run by the wall clock (a loaded machine).
+_DET_SHARE = 0.5
+_WALL_SLACK = 3.0
 # CP-SAT gets what is left of the time limit, at least _MIN_SOLVE_S; when that is less
 # than this share of the limit (the heuristics overran theirs), the notes say so.
 _SOLVE_SHARE = 0.25
@@ -191,8 +206,8 @@ def _options(options: Mapping[str, Any] | None) -> dict[str, Any]:
         opts[key] = value
     if opts["time_limit_s"] is None:
         opts["time_limit_s"] = DEFAULTS["time_limit_s"]
-    for key in ("time_limit_s",):
-        if not float(opts[key]) > 0:
+    for key in ("time_limit_s", "deterministic_time_s"):
+        if opts[key] is not None and not float(opts[key]) > 0:
             raise ValueError(f"cpsat: {key}={opts[key]!r} must be a positive number of seconds")
     for key in ("num_workers", "max_copies", "max_nodes"):
         if int(opts[key]) < 1:
@@ -354,16 +369,21 @@ def _solve(c: Coarsening, hint: tuple[Schedule, Evaluation], opts: dict[str, Any
     limit = max(deadline - time.perf_counter(), _MIN_SOLVE_S)
     fixed = dataclasses.replace(p, fixed_order=hint[0].order) if p.fixed_order is None else p
     share = _FIXED_SHARE if p.fixed_order is None else 1.0
-    first = _cpsat_model.solve(fixed, time_limit_s=share * limit, hint=hint, label="order fixed",
-                               **kw)
+    # The deterministic budgets come from the option alone, never from the clock: however
+    # long the heuristics took, the same step and seed get the same solves.
+    work = _deterministic_work_s(opts)
+    first = _cpsat_model.solve(fixed, time_limit_s=_wall_s(opts, share * limit, share * work),
+                               deterministic_time_s=share * work, hint=hint,
+                               label="order fixed", **kw)
     notes.append(f"CP-SAT, order fixed: {first.detail}")
     if p.fixed_order is not None:
         return first if first.schedule is not None else _failed(first, notes)
     if first.schedule is not None:
         hint = (first.schedule, evaluate(p, first.schedule))
-    joint = _cpsat_model.solve(p, time_limit_s=max(deadline - time.perf_counter(),
-                                                   (1 - share) * _MIN_SOLVE_S),
-                               hint=hint, label="order free", **kw)
+    left = max(deadline - time.perf_counter(), (1 - share) * _MIN_SOLVE_S)
+    joint = _cpsat_model.solve(p, time_limit_s=_wall_s(opts, left, (1 - share) * work),
+                               deterministic_time_s=(1 - share) * work, hint=hint,
+                               label="order free", **kw)
     notes.append(f"CP-SAT, order free: {joint.detail}")
     if joint.schedule is None:
         if first.schedule is not None:
@@ -374,6 +394,19 @@ def _solve(c: Coarsening, hint: tuple[Schedule, Evaluation], opts: dict[str, Any
     if first.time is not None and joint.time is not None and first.time < joint.time:
         return dataclasses.replace(first, status="feasible", time_bound=joint.time_bound)
     return joint
+
+
+def _deterministic_work_s(opts: dict[str, Any]) -> float:
+    """CP-SAT's deterministic time for the fixed-order and joint solves together."""
+    given = opts["deterministic_time_s"]
+    return float(given) if given is not None else _DET_SHARE * float(opts["time_limit_s"])
+
+
+def _wall_s(opts: dict[str, Any], left_s: float, work_s: float) -> float:
+    """A solve's wall-clock limit: what is left of the time limit, but with ``deterministic``
+    never less than ``_WALL_SLACK`` times its deterministic budget, so that a machine that
+    much slower than an idle core still stops at the deterministic limit (same plan)."""
+    return max(left_s, _WALL_SLACK * work_s) if opts["deterministic"] else left_s
 
 
 def _failed(result: _cpsat_model.SolveResult, notes: list[str]) -> None:

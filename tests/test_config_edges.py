@@ -95,3 +95,25 @@ def test_the_warn_log_line_of_a_small_step_prints_sizes_it_can_read(caplog):
     assert lines, caplog.text
     assert "0.0 MiB" not in lines[0] and "budget of 512 B" in lines[0]
     assert optimized.plan(jnp.ones((8, 8)), jnp.ones((4, 8))).status == "over_budget"
+
+
+def test_planner_options_reach_the_planner_and_fields_are_not_overridden():
+    def step(w, x):
+        return jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w) ** 2))(w)
+
+    args = (jnp.ones((64, 64)), jnp.ones((256, 64)))
+    config = jaxmem.Config(budget=100_000, target="h100", planner="cpsat", time_limit_s=4,
+                           options={"max_nodes": 3})
+    assert config.planner_options()["max_nodes"] == 3 and hash(config) == hash(
+        jaxmem.Config(budget=100_000, target="h100", planner="cpsat", time_limit_s=4,
+                      options={"max_nodes": 3}))
+    plan = jaxmem.optimize(step, config=config).plan(*args)
+    [coarse] = [n for n in plan.notes if n.startswith("coarse problem:")]
+    assert int(coarse.split()[2]) <= 3, coarse
+    with pytest.raises(ValueError, match="unknown option 'max_node'"):
+        jaxmem.optimize(step, config=jaxmem.Config(
+            budget=100_000, target="h100", planner="cpsat", options={"max_node": 3})).plan(*args)
+    with pytest.raises(ValueError, match="sets seed, which the config sets itself"):
+        jaxmem.Config(options={"seed": 1})
+    with pytest.raises(ValueError, match="must be a mapping"):
+        jaxmem.Config(options=[("max_nodes", 3)])

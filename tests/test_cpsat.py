@@ -623,3 +623,46 @@ def test_the_heuristics_share_the_time_limit_and_those_not_reached_are_named(mon
     roomy = plan_cpsat(g, budget, H100, FAST)
     assert not any(n.startswith("heuristics skipped") for n in roomy.notes)
     assert len([n for n in roomy.notes if n.startswith("heuristic '")]) == 9
+
+
+def test_the_solves_deterministic_budgets_do_not_depend_on_the_clock(monkeypatch):
+    """However long the heuristics take, the fixed-order and joint solves get the same
+    deterministic time (40% and 60% of half the time limit), and a wall-clock limit of at
+    least three times that, so that a loaded machine still plans the same."""
+    import time
+
+    import jaxmem.planners.cpsat as cpsat_module
+
+    loss, ws, x = tiny_mlp(3)
+    g = build_graph(jax.grad(loss), ws, x)
+    budget = int(0.7 * unplanned_peak(g))
+    heuristics = cpsat_module._heuristics
+    solve = model.solve
+
+    def run(delay_s, **options):
+        calls = []
+
+        def slow_heuristics(*args, **kwargs):
+            out = heuristics(*args, **kwargs)
+            time.sleep(delay_s)  # a loaded machine: the heuristics took most of their share
+            return out
+
+        def recorded(problem, **kwargs):
+            calls.append((kwargs["deterministic_time_s"], kwargs["time_limit_s"]))
+            return solve(problem, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(cpsat_module, "_heuristics", slow_heuristics)
+            m.setattr(model, "solve", recorded)
+            plan = plan_cpsat(g, budget, H100, {"time_limit_s": 2.0, "allow_offload": False,
+                                                **options})
+        return calls, plan
+
+    (idle, a), (busy, b) = run(0.0), run(0.9)
+    assert [d for d, _ in idle] == [d for d, _ in busy] == pytest.approx([0.4, 0.6])
+    assert all(wall >= 3 * d for d, wall in busy)
+    assert (a.order, dict(a.remat)) == (b.order, dict(b.remat))
+    given, _ = run(0.0, deterministic_time_s=3.0)
+    assert [d for d, _ in given] == pytest.approx([1.2, 1.8])
+    with pytest.raises(ValueError, match="deterministic_time_s"):
+        plan_cpsat(g, budget, H100, {"deterministic_time_s": 0})
