@@ -86,13 +86,9 @@ from typing import Any, Callable, Iterator, Literal, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jcore
-from jax.extend import source_info_util
+from jax.extend import core as jcore, source_info_util
 
-from jaxmem import _compat
-from jaxmem import materialize as mat
-from jaxmem import placement as placement_lib
-from jaxmem import plan as plan_lib
+from jaxmem import _compat, materialize as mat, placement as placement_lib, plan as plan_lib
 
 logger = logging.getLogger(__name__)
 
@@ -586,7 +582,7 @@ class _Interpreter:
         out: dict[int, list[int]] = {}
         for start, scope in self.scope_starts.items():
             reads: dict[int, None] = {}
-            for i, ev in enumerate(self.schedule.events):
+            for ev in self.schedule.events:
                 if ev.kind != "op" or self.scopes[ev.op] != scope:
                     continue
                 for r in ev.reads:
@@ -628,7 +624,8 @@ class _Interpreter:
         write_back = {v: -1 - slot for slot, v in enumerate(self.schedule.final)
                       if slot in back and v is not None and v >= view.n_inputs}
         on_host = _HostUpdate(self, events, back, {t: env[t] for t in self.placed})
-        pending_host: list[int] = []      # offloaded tensors whose copy must finish before the next op
+        # offloaded tensors whose copy must finish before the next op
+        pending_host: list[int] = []
         # offloaded tensor -> chain its prefetch recomputes (first, where the copy is of a
         # transposed matmul output: ("untranspose", its permutation))
         offloaded: dict[int, list[Any]] = {}
@@ -655,7 +652,8 @@ class _Interpreter:
                     continue
                 on_host.run_if_read([*before, op_event], env, host)
 
-            # Barrier at this op: pending copies/pins, prefetch sources, remat inputs, and the op's inputs.
+            # Barrier at this op: pending copies/pins, prefetch sources, remat inputs, and the
+            # op's inputs.
             made_here = {w for ev in before for w in ev.writes if w is not None}
             # Everything a re-issue reads from before this point goes through the barrier
             # (fused inputs are re-issued here too, from barriered roots), but values computed
@@ -778,7 +776,8 @@ class _Interpreter:
                 scope_env[scope] = dict(zip(ins, values))
                 scope_env[scope].update(zip(map(_literal_key, lits), values[len(ins):]))
             self._after_last_read(j, op_event, env)
-            self._issue(op_event, env, scope_env.get(self.scopes[op_event.op]) if self.scopes else None)
+            self._issue(op_event, env,
+                        scope_env.get(self.scopes[op_event.op]) if self.scopes else None)
             outs = [w for w in op_event.writes if w is not None and self._real(w)]
             # (Not a matmul's output that a reader folds into the matmul: a tie on it
             # would change that reader's arithmetic, see _folded_into_reader.)

@@ -42,15 +42,17 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from jaxmem import _compat
-from jaxmem import blocks as blocks_lib
-from jaxmem import cache as cache_lib
-from jaxmem import emit as emit_lib
-from jaxmem import graph as graph_lib
-from jaxmem import level as level_lib
-from jaxmem import plan as plan_lib
-from jaxmem import targets as targets_lib
-from jaxmem import trace as trace_lib
+from jaxmem import (
+    _compat,
+    blocks as blocks_lib,
+    cache as cache_lib,
+    emit as emit_lib,
+    graph as graph_lib,
+    level as level_lib,
+    plan as plan_lib,
+    targets as targets_lib,
+    trace as trace_lib,
+)
 from jaxmem.config import Config, format_bytes
 from jaxmem.errors import InfeasibleBudgetError
 from jaxmem.profile import planning_cost_model
@@ -686,9 +688,10 @@ def _tuple(x: Any, kind: type) -> tuple[Any, ...]:
 
 def _nnx_aware(method: Callable[..., Any]) -> Callable[..., Any]:
     """``method``, called with Flax NNX objects among the arguments (Modules, Optimizers,
-    ``Rngs``: :func:`_has_graph_nodes`), goes to this step wrapped in ``nnx.jit`` instead (made once, with the
-    same static and donated arguments), so that the objects the step updates in place are
-    updated as ``nnx.jit`` updates them; ``jax.jit`` would drop those updates silently."""
+    ``Rngs``: :func:`_has_graph_nodes`), goes to this step wrapped in ``nnx.jit`` instead
+    (made once, with the same static and donated arguments), so that the objects the step
+    updates in place are updated as ``nnx.jit`` updates them; ``jax.jit`` would drop those
+    updates silently."""
 
     @functools.wraps(method)
     def routed(self: "Optimized", *args: Any, **kwargs: Any) -> Any:
@@ -970,7 +973,8 @@ class Optimized:
         rebuild.describe = lambda: _debug_info(fun, args, kwargs, static, kw_static, dyn)
         donated = tuple(j for j, i in enumerate(dyn_pos) if i in {d % n for d in self.donate_argnums
                                                                    if -n <= d < n})
-        donated += tuple(len(dyn_pos) + j for j, k in enumerate(kw_dyn) if k in self.donate_argnames)
+        donated += tuple(len(dyn_pos) + j for j, k in enumerate(kw_dyn)
+                         if k in self.donate_argnames)
         rebuild.donated = donated  # type: ignore[attr-defined]
         rebuild.arg_labels = (*dyn_pos, *kw_dyn)  # type: ignore[attr-defined]
         return key, dyn, rebuild

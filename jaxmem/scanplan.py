@@ -49,8 +49,7 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from jaxmem import policy as _policy
-from jaxmem import scan as _scan
+from jaxmem import policy as _policy, scan as _scan
 from jaxmem.blockcost import eqns_flops, forward_names, scan_bodies
 from jaxmem.costmodel import CostModel
 from jaxmem.graph import MemGraph, analyse
@@ -133,7 +132,8 @@ class BlockPlan:
     notes: tuple[str, ...] = ()
 
     def to_policy(self) -> tuple[_policy.TablePolicy, dict[str, str]]:
-        """The ``jax.checkpoint`` policy and MaxText-style mapping (see :func:`jaxmem.policy.to_policy`)."""
+        """The ``jax.checkpoint`` policy and MaxText-style mapping
+        (see :func:`jaxmem.policy.to_policy`)."""
         return _policy.to_policy(self.decisions)
 
     def summary(self) -> str:
@@ -146,7 +146,8 @@ class BlockPlan:
                  f"{self.target}: {compiled}, simulated {self.predicted_peak_bytes / mib:.2f} MiB "
                  f"(estimate {self.estimated_peak_bytes / mib:.2f}), "
                  f"{self.host_bytes / mib:.2f} MiB offloaded, "
-                 f"+{self.recompute_flops:.3g} FLOPs recomputed, est. +{self.est_extra_time_s:.3g} s; "
+                 f"+{self.recompute_flops:.3g} FLOPs recomputed, "
+                 f"est. +{self.est_extra_time_s:.3g} s; "
                  f"{self.tables_scored} tables scored in {self.solve_time_s:.1f} s",
                  f"  custom policy: {custom}"]
         lines.extend(f"  note: {n}" for n in self.notes)

@@ -42,8 +42,7 @@ import logging
 import time
 from typing import Any, Mapping
 
-from jaxmem import placement as placement_lib
-from jaxmem import plan as plan_lib
+from jaxmem import placement as placement_lib, plan as plan_lib
 from jaxmem.planners._principles import constant_tensors
 from jaxmem.planners._registry import register
 

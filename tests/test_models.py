@@ -87,7 +87,8 @@ def _run(name: str, scan: bool, step: str, policy: str, dropout: float | None = 
 
 
 def _program_groups(name: str, scan: bool, step: str) -> list[list[str]]:
-    """Peer policies grouped by identical lowered programs (identical programs give identical results)."""
+    """Peer policies grouped by identical lowered programs (identical programs give identical
+    results)."""
     groups: dict[str, list[str]] = {}
     for policy in zoo.POLICIES:
         if policy == "none":
@@ -155,7 +156,8 @@ def test_zoo_step_fields() -> None:
     assert len(train.args) == 2 and train.config is zoo.spec("resnet50").configs["tiny"]
     grad = _step("gpt2", True, "grad")
     assert grad.donate_argnums == () and grad.arg_roles == ("params", "batch", "other")
-    assert (grad.name, grad.size, grad.policy, grad.scan, grad.step) == ("gpt2", "tiny", "none", True, "grad")
+    assert (grad.name, grad.size, grad.policy, grad.scan, grad.step) == (
+        "gpt2", "tiny", "none", True, "grad")
     assert "layers" in grad.args[0]  # the scanned stack holds all blocks' parameters
     assert grad.args[2].shape == () and _is_key(grad.args[2])  # the dropout key
 
@@ -417,7 +419,8 @@ def _check_matches_none(name: str, scan: bool, step: str, policies_: list[str],
     ref = _run(name, scan, step, "none", dropout)
     out = _run(name, scan, step, policies_[0], dropout)
     if (name, scan) not in INEXACT_ON_CPU:
-        assert not _mismatches(ref, out), f"policies {policies_} differ from none: {_mismatches(ref, out)}"
+        assert not _mismatches(ref, out), \
+            f"policies {policies_} differ from none: {_mismatches(ref, out)}"
         return
     if step == "grad":
         (loss_ref, grads_ref), (loss, grads) = ref, out
@@ -433,7 +436,8 @@ def _check_matches_none(name: str, scan: bool, step: str, policies_: list[str],
     # (the key bias) becomes a step of up to the learning rate in either run:
     # parameters can differ by up to one learning rate there.
     lr = zoo.spec(name).learning_rate
-    for (path, a), (_, b) in zip(_leaves(state_ref["params"]), _leaves(state["params"]), strict=True):
+    for (path, a), (_, b) in zip(_leaves(state_ref["params"]), _leaves(state["params"]),
+                                 strict=True):
         np.testing.assert_allclose(b, a, rtol=0, atol=lr, err_msg=f"{policies_} params {path}")
 
 

@@ -19,10 +19,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxmem.models as zoo
 from jaxmem import measure, policy, scan, scanplan, targets
+from jaxmem.blocks import planned_policy, remat
 from jaxmem.graph import analyse
 from jaxmem.models import gpt2
 from jaxmem.models._layers import next_token_loss, token_batch
-from jaxmem.blocks import planned_policy, remat
 from jaxmem.trace import trace
 
 QKV = ("query_proj", "key_proj", "value_proj")
@@ -258,7 +258,8 @@ def test_plan_blocks_meets_the_budget_when_compiled():
     rich = plan_for(budget_bytes=1 << 40, verify=False, allow_remat=False, allow_offload=False)
     poor = plan_for(budget_bytes=1, verify=False)
     assert rich.recompute_flops == 0 and poor.status == "over_budget"
-    budget = poor.estimated_peak_bytes + (rich.estimated_peak_bytes - poor.estimated_peak_bytes) // 3
+    low, high = poor.estimated_peak_bytes, rich.estimated_peak_bytes
+    budget = low + (high - low) // 3
     plan = plan_for(budget_bytes=budget, refine=2)
     assert plan.status == "ok" and plan.estimated_peak_bytes <= budget
     assert set(plan.decisions) == {"decoder_layer_input", "context", "mlpwi", "mlpwo",
