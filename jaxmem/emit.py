@@ -6,7 +6,7 @@ line and name stack (so profiles and errors still point at the user's code).
 Left alone, XLA would undo the plan: it CSEs a recomputation with the
 original, hoists it to where the original ran, defers a device-to-host copy to
 just before the copy back, and pushes weight-gradient matmuls to the end of the
-backward pass (DESIGN.md §3). So the emitter pins the plan with data
+backward pass (docs/targets.md). So the emitter pins the plan with data
 dependencies through ``jax.lax.optimization_barrier``:
 
 * **remat**: the re-issued equation reads its inputs through a barrier shared
@@ -23,8 +23,8 @@ dependencies through ``jax.lax.optimization_barrier``:
   reader, so the copy does not run early; the output that updates it (the
   output at the same pytree path in the step's first result, e.g. the new
   optimizer state) is computed on the device and written back to host memory.
-  On compile-only targets arguments cannot carry a host memory kind (DESIGN.md
-  §3), so there the argument still arrives in device memory and what the
+  On compile-only targets arguments cannot carry a host memory kind
+  (docs/targets.md), so there the argument still arrives in device memory and what the
   placement saves is the updated output's device buffer. A donated input
   passed in device memory keeps its update on the device (JAX would alias the
   device buffer to a host output, which PjRt refuses);

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -13,3 +15,17 @@ def test_ruff_finds_nothing():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise",
                            "--no-cache", str(ROOT)], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_nothing_refers_to_files_outside_the_repository():
+    """The design notes the project started from are not in the repository: what a reader
+    needs of them is in docs/, so no file may send the reader to them."""
+    listed = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.toml"], capture_output=True,
+                            text=True, cwd=ROOT)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout (an sdist): no file list to check")
+    outside = ("DESIGN.md", "STYLE.md", "../shared")
+    found = [f"{name}:{n}: {line.strip()}" for name in listed.stdout.split()
+             for n, line in enumerate((ROOT / name).read_text().splitlines(), 1)
+             if any(word in line for word in outside) and name != "tests/test_lint.py"]
+    assert not found, "\n".join(found)
