@@ -81,9 +81,10 @@ def _model(model: str, ns: argparse.Namespace) -> list[dict[str, Any]]:
     import jaxmem
     import jaxmem.models as zoo
     from jaxmem import profile, targets
+    from jaxmem._arguments import abstract_args
     from jaxmem.costmodel import CostModel
     from jaxmem.graph import build_graph
-    from jaxmem.optimize import _abstract, device_bytes, verify
+    from jaxmem.verify import device_bytes, verify
 
     target = targets.get("cpu")
     zs = zoo.build(model, ns.size, step="train")
@@ -98,7 +99,7 @@ def _model(model: str, ns: argparse.Namespace) -> list[dict[str, Any]]:
     _shares(graph, table, roofline)
     models = {"roofline": roofline, "profile": roofline.with_op_times(table, graph)}
 
-    abstract = _abstract(zs.args, target)
+    abstract = abstract_args(zs.args, target)
     plain = jax.jit(zs.fn, donate_argnums=zs.donate_argnums).lower(*abstract).compile(
         compiler_options=target.compiler_options)
     plain_bytes = device_bytes(plain)[0]

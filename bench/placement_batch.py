@@ -256,7 +256,7 @@ def _attempt(work: Workload, mode: str, target: Any, args: tuple[Any, ...], budg
     """
     import jaxmem
     from jaxmem.measure import report as compiled_report
-    from jaxmem.optimize import compile_plan
+    from jaxmem.verify import compile_plan
 
     config = jaxmem.Config(budget=planner_budget, target=target.name,
                            allow_state_offload=(mode == "auto"))

@@ -44,7 +44,7 @@ import numpy as np
 import jaxmem
 import jaxmem.models as zoo
 from jaxmem import trace as trace_lib
-from jaxmem.optimize import device_bytes
+from jaxmem.verify import device_bytes
 
 # mlp keeps the test near 20 s; with "gpt2" it passes too (about 30 s of CPU time).
 MODEL = "mlp"

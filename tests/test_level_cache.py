@@ -17,7 +17,7 @@ import pytest
 
 import jaxmem
 from jaxmem import cache as cache_lib, level as level_lib
-from jaxmem.optimize import effective_config
+from jaxmem.verify import effective_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -276,16 +276,16 @@ def test_the_step_as_written_is_compiled_last_when_every_plan_is_over(monkeypatc
 
     from jaxmem.planners import _registry, greedy
 
-    optimize_lib = sys.modules["jaxmem.optimize"]  # the module: jaxmem.optimize is the decorator
-    real, calls = optimize_lib.device_bytes, []
+    verify_lib = sys.modules["jaxmem.verify"]
+    real, calls = verify_lib.device_bytes, []
 
     def charged(compiled):
         dev, host = real(compiled)
         calls.append(dev)
         return dev + ((1 << 20) if len(calls) == 1 else 0), host
 
-    monkeypatch.setattr(optimize_lib, "device_bytes", charged)
-    monkeypatch.setattr(optimize_lib, "_PLAIN_FIRST_PLATFORMS", ())
+    monkeypatch.setattr(verify_lib, "device_bytes", charged)
+    monkeypatch.setattr(verify_lib, "_PLAIN_FIRST_PLATFORMS", ())
     monkeypatch.setitem(_registry._ENTRIES, "remat_all", _registry.Entry(
         name="remat_all", kind="planner", doc="test", fn=lambda g, b, cm, o: greedy.split_every(
             g, cm, "remat").replace(planner="remat_all", budget_bytes=b)))
@@ -307,7 +307,7 @@ def test_on_the_cpu_a_step_that_compiles_within_the_budget_is_kept_as_written(ca
     params, x = _mlp_args()
     import sys
 
-    device_bytes = sys.modules["jaxmem.optimize"].device_bytes
+    device_bytes = sys.modules["jaxmem.verify"].device_bytes
     plain, simulated = _plain_cpu_bytes(device_bytes, params, x), _simulated_plain_bytes(params, x)
     if simulated <= plain:
         pytest.skip(f"the simulator does not over-predict this step ({simulated} <= {plain} B)")
@@ -334,16 +334,16 @@ def _charge(monkeypatch, charge):
     turned off."""
     import sys
 
-    optimize_lib = sys.modules["jaxmem.optimize"]  # the module: jaxmem.optimize is the decorator
-    monkeypatch.setattr(optimize_lib, "_PLAIN_FIRST_PLATFORMS", ())
-    real, calls = optimize_lib.device_bytes, []
+    verify_lib = sys.modules["jaxmem.verify"]
+    monkeypatch.setattr(verify_lib, "_PLAIN_FIRST_PLATFORMS", ())
+    real, calls = verify_lib.device_bytes, []
 
     def charged(compiled):
         dev, host = real(compiled)
         calls.append(dev)
         return charge(len(calls), dev), host
 
-    monkeypatch.setattr(optimize_lib, "device_bytes", charged)
+    monkeypatch.setattr(verify_lib, "device_bytes", charged)
     return real
 
 
@@ -411,9 +411,9 @@ def test_re_plans_get_what_the_rounds_before_them_left(monkeypatch):
     from jaxmem import plan as plan_lib
     from jaxmem.planners import greedy
 
-    optimize_lib = sys.modules["jaxmem.optimize"]
+    verify_lib = sys.modules["jaxmem.verify"]
     clock = [0.0]
-    monkeypatch.setattr(optimize_lib, "time", types.SimpleNamespace(
+    monkeypatch.setattr(verify_lib, "time", types.SimpleNamespace(
         perf_counter=lambda: clock[0]))
     limits = []
 
@@ -630,7 +630,7 @@ def test_offloads_that_compile_far_over_the_simulation_are_dropped_in_later_roun
     budget = 10 * _plain_cpu_bytes(real, params, x)
     step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
         budget=budget, target="cpu", planner="greedy", verify_rounds=2, on_over_budget="warn"))
-    with caplog.at_level(logging.INFO, logger="jaxmem.optimize"):
+    with caplog.at_level(logging.INFO, logger="jaxmem.verify"):
         verified = step.verified(params, x)
     assert seen == [True, False]
     assert verified.rounds[0].plan.offload and not verified.rounds[1].plan.offload

@@ -9,7 +9,7 @@ import pytest
 import jaxmem
 from jaxmem import emit as emit_lib, plan as plan_lib, report, targets
 from jaxmem.graph import build_graph
-from jaxmem.optimize import device_bytes
+from jaxmem.verify import device_bytes
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
