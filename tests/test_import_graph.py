@@ -20,8 +20,12 @@ COMPAT = "jaxmem._compat"
 
 
 def _modules() -> dict[str, pathlib.Path]:
-    return {(pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"): f
-            for pkg, folder in PACKAGES.items() for f in sorted(folder.glob("*.py"))}
+    def name(pkg: str, folder: pathlib.Path, f: pathlib.Path) -> str:
+        parts = [pkg, *f.relative_to(folder).with_suffix("").parts]
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    return {name(pkg, folder, f): f for pkg, folder in PACKAGES.items()
+            for f in sorted(folder.rglob("*.py"))}
 
 
 def _imported(node: ast.AST, name: str, path: pathlib.Path) -> set[str]:

@@ -5,7 +5,8 @@ step, on corpus steps (``tests/corpus``): each plan here must give ``jax.jit(ste
   the transpose into the matmul (a matmul with its operands swapped) only while it is the
   matmul's one reader, so the emitter neither ties nor copies the output itself;
 * a value re-issued for a weight gradient, whose fused inputs the schedule recomputes for
-  later readers too (each such copy reads the first one: ``jaxmem.emit._Interpreter._issue``);
+  later readers too (each such copy reads the first one:
+  ``jaxmem.emit.interpreter._Interpreter._issue``);
 * a LayerNorm output re-issued for its weight gradient (no barrier on a batched matmul's
   output that a sum reads).
 """
