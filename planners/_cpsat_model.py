@@ -53,14 +53,19 @@ from typing import Any, Mapping
 
 from ortools.sat.python import cp_model
 
-from jaxmem.planners._cpsat_problem import Evaluation, Problem, Schedule
+from jaxmem.planners._cpsat_problem import Evaluation, Problem, Schedule, evaluate
 from jaxmem.planners._cpsat_progress import Progress, Units, enabled as progress_enabled
 
 logger = logging.getLogger(__name__)
 
-# Share of the time limit given as CP-SAT deterministic time (reproducible stop) when the
-# caller names no deterministic budget of its own.
+# CP-SAT's deterministic time (about a second of work per unit on an idle core), as a share
+# of the time limit, when the caller names no deterministic budget of its own; how many times
+# its deterministic budget a solve may run by the wall clock (a loaded machine); the share of
+# the solving time the fixed-order solve gets; the least wall time a solve gets.
 _DET_SHARE = 0.5
+_WALL_SLACK = 3.0
+_FIXED_SHARE = 0.4
+MIN_SOLVE_S = 1.0
 # The search's wall-clock limit when building the model took all of time_limit_s.
 _MIN_WALL_S = 0.1
 # Above this many nodes, presolve runs one light round.
@@ -541,3 +546,58 @@ def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
     bound = int(solver.best_objective_bound) // model.weight
     return SolveResult(model.schedule(solver), status, base + extra, solver.value(model.peak),
                        base + bound, wall, detail)
+
+
+def solve_in_turn(p: Problem, units: Units, hint: tuple[Schedule, Evaluation],
+                  opts: Mapping[str, Any], notes: list[str], deadline: float
+                  ) -> SolveResult | None:
+    """The cpsat planner's solves (options ``opts``, see :mod:`jaxmem.planners.cpsat`): with
+    the order of ``hint`` fixed, then (when ``p`` leaves the order free) the joint problem,
+    hinted with the first's solution, until ``deadline`` (a ``time.perf_counter()`` value;
+    model building included). Each appends its detail to ``notes``."""
+    kw: dict[str, Any] = dict(num_workers=int(opts["num_workers"]), seed=int(opts["seed"]),
+                              deterministic=bool(opts["deterministic"]), units=units)
+    limit = max(deadline - time.perf_counter(), MIN_SOLVE_S)
+    fixed = dataclasses.replace(p, fixed_order=hint[0].order) if p.fixed_order is None else p
+    share = _FIXED_SHARE if p.fixed_order is None else 1.0
+    # The deterministic budgets come from the option alone, never from the clock: however
+    # long the heuristics took, the same step and seed get the same solves.
+    work = _deterministic_work_s(opts)
+    first = solve(fixed, time_limit_s=_wall_s(opts, share * limit, share * work),
+                  deterministic_time_s=share * work, hint=hint, label="order fixed", **kw)
+    notes.append(f"CP-SAT, order fixed: {first.detail}")
+    if p.fixed_order is not None:
+        return first if first.schedule is not None else _failed(first, notes)
+    if first.schedule is not None:
+        hint = (first.schedule, evaluate(p, first.schedule))
+    left = max(deadline - time.perf_counter(), (1 - share) * MIN_SOLVE_S)
+    joint = solve(p, time_limit_s=_wall_s(opts, left, (1 - share) * work),
+                  deterministic_time_s=(1 - share) * work, hint=hint, label="order free", **kw)
+    notes.append(f"CP-SAT, order free: {joint.detail}")
+    if joint.schedule is None:
+        if first.schedule is not None:
+            notes.append("the joint solve found nothing better in time; kept the fixed-order "
+                         "solution (no bound on the joint problem)")
+            return dataclasses.replace(first, status="feasible", time_bound=None)
+        return _failed(joint, notes)
+    if first.time is not None and joint.time is not None and first.time < joint.time:
+        return dataclasses.replace(first, status="feasible", time_bound=joint.time_bound)
+    return joint
+
+
+def _deterministic_work_s(opts: Mapping[str, Any]) -> float:
+    """CP-SAT's deterministic time for the fixed-order and joint solves together."""
+    given = opts["deterministic_time_s"]
+    return float(given) if given is not None else _DET_SHARE * float(opts["time_limit_s"])
+
+
+def _wall_s(opts: Mapping[str, Any], left_s: float, work_s: float) -> float:
+    """A solve's wall-clock limit: what is left of the time limit, but with ``deterministic``
+    never less than ``_WALL_SLACK`` times its deterministic budget, so that a machine that
+    much slower than an idle core still stops at the deterministic limit (same plan)."""
+    return max(left_s, _WALL_SLACK * work_s) if opts["deterministic"] else left_s
+
+
+def _failed(result: SolveResult, notes: list[str]) -> None:
+    notes.append(f"CP-SAT found no schedule ({result.status})")
+    return None

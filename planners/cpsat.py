@@ -124,6 +124,7 @@ from typing import Any, Mapping
 from jaxmem import placement as placement_lib, plan as plan_lib
 from jaxmem.planners import _cpsat_model
 from jaxmem.planners._cpsat_hint import repair
+from jaxmem.planners._cpsat_model import MIN_SOLVE_S as _MIN_SOLVE_S
 from jaxmem.planners._cpsat_problem import Evaluation, Schedule, evaluate
 from jaxmem.planners._principles import without_constant_decisions
 from jaxmem.planners._registry import get, register
@@ -153,13 +154,6 @@ DEFAULTS: dict[str, Any] = {
 _HEURISTIC_SHARE = 0.5
 # Heuristic planners whose plan does not depend on the budget (it only sets the status).
 _FIXED_PLANS = frozenset({"chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks"})
-_FIXED_SHARE = 0.4
-_MIN_SOLVE_S = 1.0
-# CP-SAT's deterministic time for both solves, as a share of the time limit (about a
-# second of work per unit on an idle core), unless deterministic_time_s is given; and how
-# many times its deterministic budget a solve may run by the wall clock (a loaded machine).
-_DET_SHARE = 0.5
-_WALL_SLACK = 3.0
 # CP-SAT gets what is left of the time limit, at least _MIN_SOLVE_S; when that is less
 # than this share of the limit (the heuristics overran theirs), the notes say so.
 _SOLVE_SHARE = 0.25
@@ -358,62 +352,6 @@ def _warm_start(c: Coarsening, heur: list[_Scored], budget_bytes: int, deadline:
     return best[1], best[2], best[3]
 
 
-def _solve(c: Coarsening, hint: tuple[Schedule, Evaluation], opts: dict[str, Any],
-           notes: list[str], deadline: float) -> _cpsat_model.SolveResult | None:
-    """Fixed-order solve, then the joint solve (when reordering is allowed), until
-    ``deadline`` (a ``time.perf_counter()`` value; model building included)."""
-    p = c.problem
-    kw: dict[str, Any] = dict(num_workers=int(opts["num_workers"]), seed=int(opts["seed"]),
-                              deterministic=bool(opts["deterministic"]),
-                              units=_cpsat_model.Units(c.tick_s, c.unit_bytes, c.fixed_bytes))
-    limit = max(deadline - time.perf_counter(), _MIN_SOLVE_S)
-    fixed = dataclasses.replace(p, fixed_order=hint[0].order) if p.fixed_order is None else p
-    share = _FIXED_SHARE if p.fixed_order is None else 1.0
-    # The deterministic budgets come from the option alone, never from the clock: however
-    # long the heuristics took, the same step and seed get the same solves.
-    work = _deterministic_work_s(opts)
-    first = _cpsat_model.solve(fixed, time_limit_s=_wall_s(opts, share * limit, share * work),
-                               deterministic_time_s=share * work, hint=hint,
-                               label="order fixed", **kw)
-    notes.append(f"CP-SAT, order fixed: {first.detail}")
-    if p.fixed_order is not None:
-        return first if first.schedule is not None else _failed(first, notes)
-    if first.schedule is not None:
-        hint = (first.schedule, evaluate(p, first.schedule))
-    left = max(deadline - time.perf_counter(), (1 - share) * _MIN_SOLVE_S)
-    joint = _cpsat_model.solve(p, time_limit_s=_wall_s(opts, left, (1 - share) * work),
-                               deterministic_time_s=(1 - share) * work, hint=hint,
-                               label="order free", **kw)
-    notes.append(f"CP-SAT, order free: {joint.detail}")
-    if joint.schedule is None:
-        if first.schedule is not None:
-            notes.append("the joint solve found nothing better in time; kept the fixed-order "
-                         "solution (no bound on the joint problem)")
-            return dataclasses.replace(first, status="feasible", time_bound=None)
-        return _failed(joint, notes)
-    if first.time is not None and joint.time is not None and first.time < joint.time:
-        return dataclasses.replace(first, status="feasible", time_bound=joint.time_bound)
-    return joint
-
-
-def _deterministic_work_s(opts: dict[str, Any]) -> float:
-    """CP-SAT's deterministic time for the fixed-order and joint solves together."""
-    given = opts["deterministic_time_s"]
-    return float(given) if given is not None else _DET_SHARE * float(opts["time_limit_s"])
-
-
-def _wall_s(opts: dict[str, Any], left_s: float, work_s: float) -> float:
-    """A solve's wall-clock limit: what is left of the time limit, but with ``deterministic``
-    never less than ``_WALL_SLACK`` times its deterministic budget, so that a machine that
-    much slower than an idle core still stops at the deterministic limit (same plan)."""
-    return max(left_s, _WALL_SLACK * work_s) if opts["deterministic"] else left_s
-
-
-def _failed(result: _cpsat_model.SolveResult, notes: list[str]) -> None:
-    notes.append(f"CP-SAT found no schedule ({result.status})")
-    return None
-
-
 def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
                options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
     """Plan ``graph`` under ``budget_bytes`` with CP-SAT (module docstring).
@@ -477,7 +415,9 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
             notes.append(f"the heuristics and the warm start took "
                          f"{time.perf_counter() - started:.1f} s of the {limit:g} s limit; "
                          f"CP-SAT gets {max(left, _MIN_SOLVE_S):.1f} s")
-        result = _solve(c, hint[:2], opts, notes, max(deadline, time.perf_counter() + _MIN_SOLVE_S))
+        units = _cpsat_model.Units(c.tick_s, c.unit_bytes, c.fixed_bytes)
+        result = _cpsat_model.solve_in_turn(
+            p, units, hint[:2], opts, notes, max(deadline, time.perf_counter() + _MIN_SOLVE_S))
     return _choose(graph, budget_bytes, cost_model, c, result, heur, notes, started, opts)
 
 
