@@ -60,10 +60,13 @@ KNOWN: dict[str, list[tuple[str, str, str | tuple[str, ...]]]] = {
         *((step, "chen", ALL) for step in (
             "linen_batchnorm_convnet", "nnx_attention_embed", "haiku_batchnorm_state",
             "haiku_attention_embed", "equinox_gpt_block")),
+        # remat {34: (342,)} and {216: (208,)} alone: a LayerNorm's sum of squares, a sum
+        # before the loss (python -m tests.corpus --planners cpsat, 145 of 147 bitwise)
+        ("linen_attention_embed", "cpsat", ("10%",)),
+        ("nnx_attention_embed", "cpsat", ("10%",)),
     ],
     LAYERNORM: [
         ("linen_attention_embed", "sublinear", ("10%",)),
-        ("nnx_attention_embed", "cpsat", ("10%",)),
         ("nnx_attention_embed", "sublinear", ("10%",)),
     ],
 }
