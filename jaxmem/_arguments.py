@@ -21,7 +21,6 @@ _UNHASHABLE = (
     "or make the argument dynamic.")
 
 
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Static:
     """A bound method's instance: a static argument compared and hashed by identity."""
@@ -33,9 +32,6 @@ class Static:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Static) and other.value is self.value
-
-
-### Helpers
 
 
 def jit_info(fun: Any) -> Any:
