@@ -237,19 +237,19 @@ class Config:
         if self.op_times not in OP_TIMES:
             raise ValueError(f"Config(op_times={self.op_times!r}): allowed values are "
                              f"{', '.join(OP_TIMES)}")
+        if not isinstance(self.verify_rounds, int) or self.verify_rounds < 1:
+            raise ValueError(f"Config(verify_rounds={self.verify_rounds!r}) must be an int >= 1")
         if self.options is not None:
             if not isinstance(self.options, Mapping) or not all(
                     isinstance(k, str) for k in self.options):
                 raise ValueError(f"Config(options={self.options!r}) must be a mapping from "
                                  f"option names to values, or None")
-            own = sorted(set(self.options) & _FIELD_OPTIONS)
+            own = sorted(set(self.options) & set(self._field_options()))
             if own:
                 raise ValueError(f"Config(options=...) sets {', '.join(own)}, which the config "
                                  f"sets itself: use the Config field instead")
             # frozen and hashable, as the other fields: the options as a read-only mapping
             object.__setattr__(self, "options", _FrozenOptions(self.options))
-        if not isinstance(self.verify_rounds, int) or self.verify_rounds < 1:
-            raise ValueError(f"Config(verify_rounds={self.verify_rounds!r}) must be an int >= 1")
         if not (self.plan_cache is None or isinstance(self.plan_cache, (bool, str, os.PathLike))) \
                 or self.plan_cache == "":
             raise ValueError(f"Config(plan_cache={self.plan_cache!r}): use None or False (off), "
@@ -322,12 +322,6 @@ class Config:
                 "allow_state_offload": self.allow_state_offload, "bitwise": self.exact,
                 "host_budget_bytes": self.host_budget_bytes,
                 "time_limit_s": self.round_time_limit_s(round_index), "seed": self.seed}
-
-
-# The planner options a Config sets from its own fields (planner_options).
-_FIELD_OPTIONS = frozenset({"allow_remat", "allow_offload", "allow_reorder",
-                            "allow_state_offload", "bitwise", "host_budget_bytes",
-                            "time_limit_s", "seed"})
 
 
 class _FrozenOptions(Mapping[str, Any]):

@@ -174,9 +174,10 @@ def run_case(name: str, planner: str, budget: str, time_limit_s: float = TIME_LI
 
     step_fn, args, donate, expected, budgets = reference(name)
     config = jaxmem.Config(budget=budgets[budget], target=TARGET, planner=planner,
-                           **({"time_limit_s": CPSAT_WALL_S,
-                               "options": {"deterministic_time_s": time_limit_s / 4}}
-                              if planner == "cpsat" else {"time_limit_s": time_limit_s}))
+                           time_limit_s=time_limit_s)
+    if planner == "cpsat":
+        config = dataclasses.replace(config, time_limit_s=CPSAT_WALL_S,
+                                     options={"deterministic_time_s": time_limit_s / 4})
     step = jaxmem.optimize(step_fn, config=config, donate_argnums=donate)
     try:
         plan = step.plan(*args)
