@@ -112,6 +112,13 @@ def itemsize(dtype: Any) -> int:
         return int(getattr(dtype, "itemsize", 0) or 0)
 
 
+def aval_bytes(aval: Any) -> int:
+    """Device bytes of an abstract value, unsharded: a PRNG key array as its key data, 0 for
+    a value without a dtype (a token)."""
+    dtype = getattr(aval, "dtype", None)
+    return 0 if dtype is None else math.prod(getattr(aval, "shape", ())) * itemsize(dtype)
+
+
 def scan_counts(eqn: Any) -> tuple[int, int]:
     """``(num_consts, num_carry)`` of a ``scan`` equation.
 

@@ -24,12 +24,12 @@ from typing import Any
 
 import jax
 
+from jaxmem.config import DEFAULT_PLAN_CACHE
+
 logger = logging.getLogger(__name__)
 
 # Bumped whenever the Plan format or the planners change what they would return.
-CACHE_FORMAT = 3  # 3: bitwise="auto", the exactness rules of every planner
-
-DEFAULT_DIR = Path(os.path.expanduser("~")) / ".cache" / "jaxmem" / "plans"
+CACHE_FORMAT = 3
 
 
 def fingerprint(program_text: str, *parts: Any) -> str:
@@ -59,7 +59,7 @@ class PlanCache:
     """
 
     def __init__(self, directory: "str | os.PathLike[str] | None" = None) -> None:
-        self.directory = Path(directory) if directory is not None else DEFAULT_DIR
+        self.directory = Path(directory) if directory is not None else DEFAULT_PLAN_CACHE
         self.hits = 0
         self.misses = 0
         self.writes = 0

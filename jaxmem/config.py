@@ -21,14 +21,16 @@ from typing import Any, Literal
 import numpy as np
 
 from jaxmem import targets as _targets
+from jaxmem.costmodel import OP_TIMES
 
 TargetChoice = Literal["h100", "h200", "cpu", "auto"]
 OnOverBudget = Literal["raise", "warn"]
 OpTimesChoice = Literal["roofline", "profile"]
 TARGET_CHOICES: tuple[str, ...] = ("h100", "h200", "cpu", "auto")
 ON_OVER_BUDGET: tuple[str, ...] = ("raise", "warn")
-OP_TIMES: tuple[str, ...] = ("roofline", "profile")
 DEFAULT_PLANNER = "cpsat"
+# Config(plan_cache=True)'s folder.
+DEFAULT_PLAN_CACHE = Path(os.path.expanduser("~")) / ".cache" / "jaxmem" / "plans"
 DEFAULT_HOST_BUDGET_BYTES = 64 << 30  # XLA's pinned-host pool on a GPU, unless raised
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -39,28 +41,6 @@ _UNIT_NAMES = ", ".join(("B", "kB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB"
 _BAD_SIZE = (
     "{name}={value!r} is not a size: give an int of bytes, a string like '60GiB', '512MiB' or "
     "'1.5GB' (units: {units}; case does not matter){fraction}")
-
-
-def format_bytes(n: "int | float | None") -> str:
-    """A byte count for people: B below 1 KiB, else KiB, MiB, GiB or TiB to 3 significant digits.
-
-    >>> format_bytes(512), format_bytes(1536), format_bytes(3 << 20), format_bytes(60 << 30)
-    ('512 B', '1.50 KiB', '3.00 MiB', '60.0 GiB')
-    >>> format_bytes(None)
-    'unknown'
-    """
-    if n is None:
-        return "unknown"
-    n = float(n)
-    sign, n = ("-", -n) if n < 0 else ("", n)
-    if n < 1024:
-        return f"{sign}{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024.0
-        if n < 1024 or unit == "TiB":
-            digits = 2 if n < 10 else 1 if n < 100 else 0
-            return f"{sign}{n:,.{digits}f} {unit}"
-    raise AssertionError("unreachable")
 
 
 def _fraction_bytes(value: float, name: str, memory_bytes: int, where: str) -> int:
@@ -278,12 +258,10 @@ class Config:
 
     def plan_cache_dir(self) -> "Path | None":
         """The plan-cache folder, or ``None`` when the cache is off."""
-        from jaxmem.cache import DEFAULT_DIR
-
         if self.plan_cache is None or self.plan_cache is False:
             return None
         if self.plan_cache is True:
-            return DEFAULT_DIR
+            return DEFAULT_PLAN_CACHE
         return Path(os.path.expanduser(os.fspath(self.plan_cache)))
 
     @property

@@ -63,6 +63,9 @@ if TYPE_CHECKING:
 
 Direction = Literal["d2h", "h2d"]
 
+# How planners price each op (Config(op_times=...)): the roofline, or measured times.
+OP_TIMES: tuple[str, ...] = ("roofline", "profile")
+
 # XLA dot algorithms: dot_<lhs>_<rhs>_<accumulator>[_x<passes>].
 _ALGORITHM = re.compile(r"^dot_([a-z0-9]+)_[a-z0-9]+_[a-z0-9]+(?:_x(\d+))?$")
 _ALGORITHM_TYPES = {"f32": "float32", "tf32": "tensorfloat32", "bf16": "bfloat16",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jaxmem.config import format_bytes
+from jaxmem.units import format_bytes
 
 # Planners named in the message as worth a try (the one that failed left out).
 _SUGGESTED = ("cpsat", "sublinear", "blocks")

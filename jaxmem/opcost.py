@@ -19,10 +19,9 @@ import logging
 import math
 from typing import Any, Sequence
 
-import numpy as np
 from jax.extend import core as jcore
 
-from jaxmem import materialize as mat
+from jaxmem import _compat, materialize as mat
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +36,8 @@ class Cost:
 
 
 def nbytes(aval: Any) -> int:
-    """Bytes of an abstract value (whole array, unsharded)."""
-    try:
-        itemsize = int(np.dtype(aval.dtype).itemsize)
-    except TypeError:
-        itemsize = int(getattr(aval.dtype, "itemsize", 0))
-    return math.prod(getattr(aval, "shape", ())) * itemsize
+    """Bytes of an abstract value (whole array, unsharded; see :func:`_compat.aval_bytes`)."""
+    return _compat.aval_bytes(aval)
 
 
 def _size(aval: Any) -> int:

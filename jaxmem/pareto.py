@@ -35,11 +35,12 @@ import jax
 
 from jaxmem import plan as plan_lib, targets as targets_lib, trace as trace_lib
 from jaxmem._arguments import abstract_args
-from jaxmem.config import Config, format_bytes, parse_bytes
+from jaxmem.config import Config, parse_bytes
 from jaxmem.errors import InfeasibleBudgetError
 from jaxmem.measure import Report, report
 from jaxmem.optimize import Optimized, _NnxOptimized, optimize
 from jaxmem.profile import planning_cost_model
+from jaxmem.units import format_bytes
 from jaxmem.verify import effective_config, verify
 
 logger = logging.getLogger(__name__)

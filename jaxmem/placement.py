@@ -39,7 +39,10 @@ import dataclasses
 import logging
 from typing import Any, Sequence
 
+import jax
+
 from jaxmem import plan as plan_lib, simulate
+from jaxmem.trace import value_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +56,49 @@ _ELEMENTWISE = frozenset({"mul", "add", "sub", "div", "neg", "integer_pow", "squ
                           "rsqrt", "abs", "max", "min", "add_any", "convert_element_type"})
 
 
-def updates(graph: Any, placed: Sequence[int]) -> dict[int, int]:
-    """Output slot -> placed input it updates (see :func:`jaxmem.emit.placed_outputs`)."""
-    from jaxmem import emit  # emit imports plan; keep this module light to import
+def _rest_of_input_path(path: str) -> str | None:
+    # "args[0]['opt_state'].mu" -> "['opt_state'].mu"
+    if not path.startswith("args["):
+        return None
+    return path[path.index("]") + 1:]
 
-    return emit.placed_outputs(graph.program, frozenset(placed))
+
+def placed_outputs(program: Any, placed: frozenset[int]) -> dict[int, int]:
+    """Output slot -> placed input whose update it is (written back to host memory).
+
+    A train step returns its new state in its first result with the structure
+    of the state argument: the output at the same path below the first result
+    (``[0]['opt_state']...`` for the input ``args[0]['opt_state']...``), of the
+    same shape and dtype, is the placed input's update.
+    """
+    if not placed:
+        return {}
+    outvars = program.jaxpr.jaxpr.outvars
+    leaves = jax.tree_util.tree_unflatten(program.out_tree, list(range(len(outvars))))
+    by_rest: dict[str, int] = {}
+    for path, slot in jax.tree_util.tree_flatten_with_path(leaves)[0]:
+        if path and getattr(path[0], "idx", None) == 0:
+            by_rest[jax.tree_util.keystr(tuple(path[1:]))] = slot
+    invars = program.jaxpr.jaxpr.invars
+    out: dict[int, int] = {}
+    for t in sorted(placed):
+        rest = _rest_of_input_path(program.in_paths[t]) if t < len(program.in_paths) else None
+        slot = by_rest.get(rest) if rest is not None else None
+        if slot is None or slot in out:  # no update, or another input's
+            continue
+        a, b = invars[t].aval, outvars[slot].aval
+        if getattr(a, "shape", None) == getattr(b, "shape", None) and a.dtype == b.dtype:
+            out[slot] = t
+    missing = sorted(placed - set(out.values()))
+    if missing:
+        logger.info("placed inputs %s have no update among the outputs; only their reads "
+                    "are prefetched", missing[:8])
+    return out
+
+
+def updates(graph: Any, placed: Sequence[int]) -> dict[int, int]:
+    """Output slot -> placed input it updates (see :func:`placed_outputs`)."""
+    return placed_outputs(graph.program, frozenset(placed))
 
 
 def candidates(graph: Any) -> list[int]:
@@ -113,11 +154,9 @@ def host_update_group(graph: Any, on_host: Sequence[int]) -> HostGroup:
     decoupled weight decay and ``params + delta`` read the parameters and stay
     on the device (unless the parameters are in ``on_host`` too).
     """
-    from jaxmem import emit  # emit imports this module
-
     v = plan_lib.view(graph)
     program = getattr(graph, "program", graph)
-    nbytes = emit.value_bytes(program)
+    nbytes = value_bytes(program)
     mine = frozenset(on_host)
     readers: dict[int, list[int]] = {}
     for op in range(v.n_ops):
@@ -176,15 +215,13 @@ def update_time_s(graph: Any, cost_model: Any, placed: Sequence[int],
     reads and writes); those that device ops read too are still prefetched.
     Copies and host compute are summed, not overlapped.
     """
-    from jaxmem import emit
-
     chosen = set(host_update)
     on_host = [t for t in placed if t in chosen]
     time_s = copy_time_s(graph, cost_model, [t for t in placed if t not in chosen])
     if not on_host:
         return time_s
     group = host_update_group(graph, on_host)
-    nbytes = emit.value_bytes(getattr(graph, "program", graph))
+    nbytes = value_bytes(getattr(graph, "program", graph))
     v, ops = plan_lib.view(graph), set(group.ops)
     fetched = [t for t in on_host if any(t in v.inputs_of(op) for op in range(v.n_ops)
                                          if op not in ops)]

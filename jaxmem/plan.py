@@ -39,7 +39,7 @@ import types
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from jaxmem.config import format_bytes
+from jaxmem.units import format_bytes
 
 Placement = Literal["device", "pinned_host"]
 PLACEMENTS: tuple[str, ...] = ("device", "pinned_host")

@@ -64,8 +64,7 @@ import jax
 from jax.extend import core as jcore
 
 from jaxmem import emit as emit_lib, targets as targets_lib
-from jaxmem.config import OP_TIMES
-from jaxmem.costmodel import CostModel
+from jaxmem.costmodel import OP_TIMES, CostModel
 from jaxmem.hlo import HloModule, parse_module
 
 logger = logging.getLogger(__name__)

@@ -31,6 +31,8 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 import jax
 from jax.extend import core as jcore, source_info_util
 
+from jaxmem import _compat
+
 logger = logging.getLogger(__name__)
 
 Phase = Literal["forward", "backward", "update"]
@@ -600,3 +602,16 @@ def trace(fn: Callable[..., Any], *args: Any, static_argnums: Sequence[int] | in
     logger.debug("traced %s: %d equations, %d inputs (%d donated)",
                  getattr(fn, "__name__", fn), len(eqns), n_in, sum(donated))
     return program
+
+
+def value_avals(program: Program) -> list[Any]:
+    """The abstract value of every tensor id: inputs, equation outputs, constants."""
+    jaxpr = program.jaxpr.jaxpr
+    return [v.aval for v in jaxpr.invars] + [
+        v.aval for e in jaxpr.eqns for v in e.outvars if not isinstance(v, jcore.DropVar)] + [
+        v.aval for v in jaxpr.constvars]
+
+
+def value_bytes(program: Program) -> list[int]:
+    """Bytes of every value by tensor id as the program computes it (fused values included)."""
+    return [_compat.aval_bytes(a) for a in value_avals(program)]

@@ -23,9 +23,10 @@ from jaxmem import (
     plan as plan_lib,
     targets as targets_lib,
 )
-from jaxmem.config import Config, format_bytes
+from jaxmem.config import Config
 from jaxmem.errors import InfeasibleBudgetError
 from jaxmem.profile import planning_cost_model
+from jaxmem.units import format_bytes
 
 logger = logging.getLogger(__name__)
 

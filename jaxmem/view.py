@@ -15,7 +15,6 @@ and outputs as tensor ids, and the buffers each op really reads.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Sequence
 
 from jaxmem import _compat
@@ -138,7 +137,7 @@ def _build_view(obj: Any) -> View:
     jaxpr = program.jaxpr.jaxpr
     ids: dict[Any, int] = {v: i for i, v in enumerate(jaxpr.invars)}
     consts = set(jaxpr.constvars)
-    nbytes = [_nbytes(v.aval) for v in jaxpr.invars]
+    nbytes = [_compat.aval_bytes(v.aval) for v in jaxpr.invars]
     itemsize = [_itemsize(v.aval) for v in jaxpr.invars]
     producer: list[int | None] = [None] * len(jaxpr.invars)
     in_slots, out_slots, reissuable = [], [], []
@@ -152,7 +151,7 @@ def _build_view(obj: Any) -> View:
                 continue
             ids[v] = len(nbytes)
             outs.append(len(nbytes))
-            nbytes.append(_nbytes(v.aval))
+            nbytes.append(_compat.aval_bytes(v.aval))
             itemsize.append(_itemsize(v.aval))
             producer.append(k)
         out_slots.append(tuple(outs))
@@ -261,11 +260,6 @@ def _itemsize(aval: Any) -> int:
     """Bytes of one element; a PRNG key's are those of its key data (0 without a dtype)."""
     dtype = getattr(aval, "dtype", None)
     return 0 if dtype is None else _compat.itemsize(dtype)
-
-
-def _nbytes(aval: Any) -> int:
-    """Device bytes of an abstract value (a PRNG key array as its key data)."""
-    return math.prod(getattr(aval, "shape", ())) * _itemsize(aval)
 
 
 # Ops that carry a layer's gradient down the backward chain (and, off it, a weight gradient).

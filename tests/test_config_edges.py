@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem.config import format_bytes
+from jaxmem.units import format_bytes
 
 
 def test_integral_budgets_of_any_type_are_bytes():

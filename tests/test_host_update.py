@@ -43,7 +43,7 @@ def test_host_updated_step_is_bitwise_equal_on_the_cpu(name):
     differ = [k for k, (a, b) in enumerate(zip(ref_leaves, out_leaves))
               if not np.array_equal(np.asarray(a), np.asarray(b))]
     assert not differ, f"{name}: outputs {differ} differ from the plain step"
-    updates = emit.placed_outputs(graph.program, frozenset(moments))
+    updates = placement.placed_outputs(graph.program, frozenset(moments))
     kinds = [leaf.sharding.memory_kind for leaf in out_leaves]
     assert {kinds[slot] for slot in updates} == {"pinned_host"}
     assert {k for slot, k in enumerate(kinds) if slot not in updates} == {"device"}

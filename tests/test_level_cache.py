@@ -17,6 +17,7 @@ import pytest
 
 import jaxmem
 from jaxmem import cache as cache_lib, level as level_lib
+from jaxmem.config import DEFAULT_PLAN_CACHE
 from jaxmem.verify import effective_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,7 +118,7 @@ def test_plan_cache_option_is_checked(value):
 
 
 @pytest.mark.parametrize("value, expected", [
-    (None, None), (False, None), (True, cache_lib.DEFAULT_DIR), ("/tmp/p", Path("/tmp/p"))])
+    (None, None), (False, None), (True, DEFAULT_PLAN_CACHE), ("/tmp/p", Path("/tmp/p"))])
 def test_plan_cache_folder(value, expected):
     assert jaxmem.Config(plan_cache=value).plan_cache_dir() == expected
 

@@ -52,7 +52,7 @@ def test_placed_step_is_bitwise_equal_and_returns_the_state_on_host(name, what):
     out = jax.jit(emit.emit(graph, plan))(*args)
     assert _leaves_equal(reference, out), f"{name} {what}: placement changed the results"
     # Each placed input's update comes back in host memory; nothing else does.
-    updates = emit.placed_outputs(graph.program, frozenset(placed))
+    updates = placement.placed_outputs(graph.program, frozenset(placed))
     assert sorted(updates.values()) == sorted(placed)
     kinds = [leaf.sharding.memory_kind for leaf in jax.tree_util.tree_leaves(out)]
     assert {k for slot, k in enumerate(kinds) if slot in updates} == {"pinned_host"}
@@ -240,7 +240,7 @@ def test_donated_placed_state_is_exact_wherever_it_is_passed(passed_on_host, cap
             tree, [jax.device_put(x, host) if k in placed else x for k, x in enumerate(flat)])
     out = jax.jit(emit.emit(graph, plan), donate_argnums=(0,))(*fresh)
     assert _leaves_equal(reference, out)
-    slots = set(emit.placed_outputs(graph.program, frozenset(placed)))
+    slots = set(placement.placed_outputs(graph.program, frozenset(placed)))
     kinds = {leaf.sharding.memory_kind for k, leaf in enumerate(jax.tree_util.tree_leaves(out))
              if k in slots}
     # Donated from device memory, the updates cannot go to host (PjRt would abort on

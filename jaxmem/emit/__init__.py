@@ -83,8 +83,7 @@ from typing import Any, Callable, Literal
 import jax
 
 from jaxmem import placement as placement_lib, plan as plan_lib
-from jaxmem.emit.bind import bind_equation as bind_equation, value_bytes as value_bytes
-from jaxmem.emit.host import placed_outputs as placed_outputs
+from jaxmem.emit.bind import bind_equation as bind_equation
 from jaxmem.emit.interpreter import _Interpreter
 from jaxmem.emit.pins import (
     LAYOUT_PRIMITIVES as LAYOUT_PRIMITIVES,
@@ -92,6 +91,7 @@ from jaxmem.emit.pins import (
     _pin_ops,
     _tail_ops,
 )
+from jaxmem.placement import placed_outputs
 
 PinMode = Literal["auto", "none", "sinks"]
 PIN_MODES: tuple[str, ...] = ("auto", "none", "sinks")

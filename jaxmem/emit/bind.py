@@ -1,10 +1,9 @@
 """Binding the program's equations on traced values, and the small tools the interpreter
-binds with: barriers, avals and their bytes, literal keys."""
+binds with: barriers and literal keys."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Iterator, Sequence
 
 import jax
@@ -28,25 +27,6 @@ def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     with _equation_context(eqn):
         out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _aval_bytes(aval: Any) -> int:
-    shape = getattr(aval, "shape", ())
-    dtype = getattr(aval, "dtype", None)
-    return math.prod(shape) * dtype.itemsize if dtype is not None else 0
-
-
-def _avals(program: Any) -> list[Any]:
-    """The abstract value of every tensor id: inputs, equation outputs, constants."""
-    jaxpr = program.jaxpr.jaxpr
-    return [v.aval for v in jaxpr.invars] + [
-        v.aval for e in jaxpr.eqns for v in e.outvars if not isinstance(v, jcore.DropVar)] + [
-        v.aval for v in jaxpr.constvars]
-
-
-def value_bytes(program: Any) -> list[int]:
-    """Bytes of every value by tensor id as the program computes it (fused values included)."""
-    return [_aval_bytes(a) for a in _avals(program)]
 
 
 def _transparent(primitive: str) -> bool:

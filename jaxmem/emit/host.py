@@ -3,7 +3,6 @@ the host update that runs deferred equations on the host."""
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
@@ -12,49 +11,6 @@ from jaxmem import _compat, plan as plan_lib
 
 if TYPE_CHECKING:  # (the interpreter imports this module)
     from jaxmem.emit.interpreter import _Interpreter
-
-logger = logging.getLogger(__name__)
-
-
-def _rest_of_input_path(path: str) -> str | None:
-    # "args[0]['opt_state'].mu" -> "['opt_state'].mu"
-    if not path.startswith("args["):
-        return None
-    return path[path.index("]") + 1:]
-
-
-def placed_outputs(program: Any, placed: frozenset[int]) -> dict[int, int]:
-    """Output slot -> placed input whose update it is (written back to host memory).
-
-    A train step returns its new state in its first result with the structure
-    of the state argument: the output at the same path below the first result
-    (``[0]['opt_state']...`` for the input ``args[0]['opt_state']...``), of the
-    same shape and dtype, is the placed input's update.
-    """
-    if not placed:
-        return {}
-    outvars = program.jaxpr.jaxpr.outvars
-    leaves = jax.tree_util.tree_unflatten(program.out_tree, list(range(len(outvars))))
-    by_rest: dict[str, int] = {}
-    for path, slot in jax.tree_util.tree_flatten_with_path(leaves)[0]:
-        if path and getattr(path[0], "idx", None) == 0:
-            by_rest[jax.tree_util.keystr(tuple(path[1:]))] = slot
-    invars = program.jaxpr.jaxpr.invars
-    out: dict[int, int] = {}
-    for t in sorted(placed):
-        rest = _rest_of_input_path(program.in_paths[t]) if t < len(program.in_paths) else None
-        slot = by_rest.get(rest) if rest is not None else None
-        if slot is None or slot in out:  # no update, or another input's
-            continue
-        a, b = invars[t].aval, outvars[slot].aval
-        if getattr(a, "shape", None) == getattr(b, "shape", None) and a.dtype == b.dtype:
-            out[slot] = t
-    missing = sorted(placed - set(out.values()))
-    if missing:
-        logger.info("placed inputs %s have no update among the outputs; only their reads "
-                    "are prefetched", missing[:8])
-    return out
-
 
 class _HostUpdate:
     """The host update of one run: defers its equations, then runs them on the host.

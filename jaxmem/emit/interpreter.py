@@ -11,10 +11,8 @@ from typing import Any, Sequence
 import jax
 from jax.extend import core as jcore
 
-from jaxmem import plan as plan_lib
+from jaxmem import _compat, plan as plan_lib
 from jaxmem.emit.bind import (
-    _aval_bytes,
-    _avals,
     _barrier,
     _call_parameter,
     _inverse,
@@ -24,6 +22,7 @@ from jaxmem.emit.bind import (
 )
 from jaxmem.emit.host import _HostUpdate
 from jaxmem.emit.rules import _FusionRules
+from jaxmem.trace import value_avals
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +66,8 @@ class _Interpreter(_FusionRules):
         self.consts = dict(zip(jaxpr.constvars, program.jaxpr.consts))
         self.outvars = jaxpr.outvars
         # Bytes of every value as the program computes it (the view sizes fused values 0).
-        self.avals = _avals(program)
-        self.nbytes = [_aval_bytes(a) for a in self.avals]
+        self.avals = value_avals(program)
+        self.nbytes = [_compat.aval_bytes(a) for a in self.avals]
         # Versions the events of each checkpoint scope read from outside it, and the
         # literals its barrier takes (jaxmem.trace.Program.remat_literals).
         self.scope_inputs = self._scope_inputs()
