@@ -4,7 +4,7 @@ Builds the zoo's scan variant of ``MODEL`` with every block under
 ``jaxmem.planned_policy()`` (the zoo policy ``"jaxmem"``), measures the
 unplanned scan step (policy ``"none"``) on the H100 target, and for each
 fraction of that compiled peak runs ``@jaxmem.optimize``: the blocks'
-decision table is chosen first (:mod:`jaxmem.scanplan`), then the default
+decision table is chosen first (:mod:`jaxmem.planners.scanplan`), then the default
 planner plans the rest of the step. One JSON line per budget: status,
 compiled device and host bytes, roofline step time, the block decisions.
 Compare with the stock policies of the same variant:

@@ -115,7 +115,7 @@ def run(program: Program, planner: str, fraction: float, options: dict[str, Any]
 
     import jaxmem
     from jaxmem import targets
-    from jaxmem.verify import device_bytes
+    from jaxmem.verify.loop import device_bytes
 
     saved = dict(targets.CPU_MEMORY_SCHEDULER)
     targets.CPU_MEMORY_SCHEDULER.clear()

@@ -32,9 +32,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import jaxmem.models as zoo
     import jaxmem.planners as registry
-    from jaxmem import emit as emit_lib, plan as plan_lib
-    from jaxmem.costmodel import CostModel
-    from jaxmem.graph import build_graph
+    from jaxmem import emit as emit_lib
+    from jaxmem.analysis.graph import build_graph
+    from jaxmem.cost.costmodel import CostModel
+    from jaxmem.plans import plan as plan_lib
 
     cost_model = CostModel.for_target(target)
     failures = 0

@@ -4,7 +4,7 @@
 
 For each zoo train step (``small`` by default: a step a 2-core CPU runs in
 0.1-0.6 s) on the ``cpu`` target, the plain step is profiled once
-(:func:`jaxmem.profile.op_times`); then every planner plans each budget (a
+(:func:`jaxmem.cost.profile.op_times`); then every planner plans each budget (a
 fraction of the plain step's compiled peak) twice through the verify loop of
 ``jaxmem.optimize``: with the CPU roofline and with the profiled table. Every
 compiled step (the plain one included) then runs on the CPU in interleaved
@@ -80,11 +80,12 @@ def _model(model: str, ns: argparse.Namespace) -> list[dict[str, Any]]:
 
     import jaxmem
     import jaxmem.models as zoo
-    from jaxmem import profile, targets
+    from jaxmem import targets
     from jaxmem._arguments import abstract_args
-    from jaxmem.costmodel import CostModel
-    from jaxmem.graph import build_graph
-    from jaxmem.verify import device_bytes, verify
+    from jaxmem.analysis.graph import build_graph
+    from jaxmem.cost import profile
+    from jaxmem.cost.costmodel import CostModel
+    from jaxmem.verify.loop import device_bytes, verify
 
     target = targets.get("cpu")
     zs = zoo.build(model, ns.size, step="train")

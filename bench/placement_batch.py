@@ -175,7 +175,7 @@ def llama_workload(layers: int, width: str = "8b", seq: int = 2048, batch: int =
 
 def opt_state_inputs(graph: Any) -> list[int]:
     """The optimizer-state inputs that can be placed (their updates are step outputs)."""
-    from jaxmem import placement
+    from jaxmem.plans import placement
 
     return [t for t in placement.candidates(graph) if graph.tensors[t].role == "opt_state"]
 
@@ -208,7 +208,8 @@ def measure(work: Workload, mode: str, target_name: str = "h100",
     placed_bytes = 0
     if mode in PLACED_MODES:
         # The placed state leaves the device on a GPU; here it stays an argument (module doc).
-        from jaxmem import graph as graph_lib, trace as trace_lib
+        from jaxmem.analysis import graph as graph_lib
+        from jaxmem.tracing import trace as trace_lib
 
         program = trace_lib.trace(work.fn, *args, donate_argnums=work.donate_argnums)
         g = graph_lib.analyse(program, target.name)
@@ -255,8 +256,8 @@ def _attempt(work: Workload, mode: str, target: Any, args: tuple[Any, ...], budg
     ``opt_state``), taken off an infeasible plan's smallest feasible budget.
     """
     import jaxmem
-    from jaxmem.measure import report as compiled_report
-    from jaxmem.verify import compile_plan
+    from jaxmem.cost.measure import report as compiled_report
+    from jaxmem.verify.loop import compile_plan
 
     config = jaxmem.Config(budget=planner_budget, target=target.name,
                            allow_state_offload=(mode == "auto"))

@@ -29,10 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     import jaxmem.models as zoo
-    from jaxmem import plan as plan_lib
-    from jaxmem.costmodel import CostModel
-    from jaxmem.graph import build_graph
-    from jaxmem.planners import qlearn
+    from jaxmem.analysis.graph import build_graph
+    from jaxmem.cost.costmodel import CostModel
+    from jaxmem.planners.literature import qlearn
+    from jaxmem.plans import plan as plan_lib
 
     cost_model = CostModel.for_target("h100")
     curves: dict[str, list[float]] = {}

@@ -87,9 +87,9 @@ def random_plan(graph: Any, mode: str, frac: float, seed: int) -> Any:
     planner's plans obey: :mod:`jaxmem.planners._principles`), or every candidate re-issued
     (``"remat"``) or offloaded (``"offload"``) in a random valid order, under the same rules."""
     import jaxmem.planners as registry
-    from jaxmem import plan as plan_lib
-    from jaxmem.costmodel import CostModel
+    from jaxmem.cost.costmodel import CostModel
     from jaxmem.planners import _principles, greedy
+    from jaxmem.plans import plan as plan_lib
 
     cpu = CostModel.for_target("cpu")
     if mode == "greedy":
@@ -114,8 +114,8 @@ def ulps_off(k: int, with_max: bool) -> float:
     import numpy as np
 
     from jaxmem import emit
-    from jaxmem.graph import analyse
-    from jaxmem.trace import trace
+    from jaxmem.analysis.graph import analyse
+    from jaxmem.tracing.trace import trace
 
     spec, width, seed, frac, mode = case(k, with_max)
     step, args = random_program(spec, width, seed)

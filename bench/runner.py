@@ -8,7 +8,7 @@ gives ``status: "error: ..."`` and the run goes on.
 
 Record fields beyond those of docs/measurement.md: ``kind`` (peer or planner), ``budget``
 (as written), ``step``, ``variant`` (``unrolled``/``scan``), the memory parts
-and cost figures of :class:`jaxmem.measure.Report`, ``peak_ratio``,
+and cost figures of :class:`jaxmem.cost.measure.Report`, ``peak_ratio``,
 ``flops_ratio``, ``est_time_ratio`` and ``cpu_step_time_ratio`` (to ``none``
 of the same model), ``min_feasible_bytes`` (from an infeasible planner),
 ``elapsed_s`` (a planner's wall time: tracing, every verify round's planning
@@ -40,7 +40,7 @@ import jaxmem.planners as registry
 from bench.cputime import CpuRun, run_on_cpu, same_bits
 from bench.options import Budget, Options
 from jaxmem import targets
-from jaxmem.measure import Report, measure
+from jaxmem.cost.measure import Report, measure
 
 logger = logging.getLogger(__name__)
 

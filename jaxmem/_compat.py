@@ -19,7 +19,7 @@ import numpy as np
 _NO_COST_ANALYSIS = (
     "XLA's HLO cost analysis is not reachable in this jax ({version}): "
     "jax._src.lib._jax.hlo_module_cost_analysis is missing ({err}). jaxmem's own "
-    "cost analysis (jaxmem.hlo.analyze) does not need it.")
+    "cost analysis (jaxmem.cost.hlo.analyze) does not need it.")
 
 
 def xla_cost_analysis(compiled: jax.stages.Compiled) -> dict[str, float]:

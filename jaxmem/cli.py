@@ -147,7 +147,8 @@ def _planned(step: Step, config: Any) -> Any:
 
 
 def _traced_graph(step: Step, config: Any) -> Any:
-    from jaxmem import graph as graph_lib, trace as trace_lib
+    from jaxmem.analysis import graph as graph_lib
+    from jaxmem.tracing import trace as trace_lib
 
     target = config.resolve_target(step.args)
     program = trace_lib.trace(step.fn, *step.args, donate_argnums=step.donate_argnums)
@@ -179,8 +180,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def cmd_explain(ns: argparse.Namespace) -> int:
-    from jaxmem.explain import explain_graph
-    from jaxmem.schedule import simulate_plan
+    from jaxmem.analysis.explain import explain_graph
+    from jaxmem.plans.schedule import simulate_plan
 
     step = load_step(ns.step, ns.size, ns.kind)
     config = _config(ns)

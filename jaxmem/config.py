@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 
 from jaxmem import targets as _targets
-from jaxmem.costmodel import OP_TIMES
+from jaxmem.cost.costmodel import OP_TIMES
 
 TargetChoice = Literal["h100", "h200", "cpu", "auto"]
 OnOverBudget = Literal["raise", "warn"]

@@ -30,7 +30,7 @@ ENV_VAR = "JAXMEM_LEVEL"
 LEVELS = (0, 1, 2, 3, 4)
 
 # Parameter / optimizer-state placement: emitted by jaxmem.emit and planned by
-# the greedy planner (jaxmem.placement) and cpsat through it; planners that do not place
+# the greedy planner (jaxmem.plans.placement) and cpsat through it; planners that do not place
 # state ignore the flag.
 _STATE_PLACEMENT_AVAILABLE = True
 

@@ -26,7 +26,7 @@ config's ``allow_*`` fields; the level is part of the signature key, so
 changing it re-plans. At level 0 the step runs as plain ``jax.jit`` with no
 tracing or planning, and ``.plan()`` raises ``RuntimeError`` (there is no plan).
 With ``Config(plan_cache=...)`` verified plans are stored on disk
-(:mod:`jaxmem.cache`) and a later process loads them instead of solving.
+(:mod:`jaxmem.verify.cache`) and a later process loads them instead of solving.
 """
 
 from __future__ import annotations
@@ -41,15 +41,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from jaxmem import (
-    blocks as blocks_lib,
-    cache as cache_lib,
-    graph as graph_lib,
-    level as level_lib,
-    plan as plan_lib,
-    targets as targets_lib,
-    trace as trace_lib,
-)
+from jaxmem import level as level_lib, targets as targets_lib
 from jaxmem._arguments import (
     Static,
     abstract_args,
@@ -65,9 +57,13 @@ from jaxmem._arguments import (
     signature_of,
     split_call,
 )
+from jaxmem.analysis import graph as graph_lib
 from jaxmem.config import Config
-from jaxmem.profile import planning_cost_model
-from jaxmem.verify import (
+from jaxmem.cost.profile import planning_cost_model
+from jaxmem.plans import plan as plan_lib
+from jaxmem.tracing import blocks as blocks_lib, trace as trace_lib
+from jaxmem.verify import cache as cache_lib
+from jaxmem.verify.loop import (
     Round,
     Verified,
     cached_plan,
@@ -118,7 +114,7 @@ class _Entry:
     rounds: tuple[Round, ...] = ()
     graph: Any = None
     fallback: str | None = None
-    block_plan: Any = None  # jaxmem.scanplan.BlockPlan of the step's jaxmem.remat blocks
+    block_plan: Any = None  # jaxmem.planners.scanplan.BlockPlan of the step's jaxmem.remat blocks
 
 
 ### The decorator
@@ -342,7 +338,7 @@ class Optimized:
     @_nnx_aware
     def measure(self, *args: Any, target: Any = None) -> Any:
         """``jaxmem.measure`` of the planned step on ``target`` (default: the config's)."""
-        from jaxmem.measure import measure
+        from jaxmem.cost.measure import measure
 
         key, dyn, _ = self._split(args, {})
         if target is None:
@@ -370,7 +366,7 @@ class Optimized:
     @_nnx_aware
     def block_plan(self, *args: Any, **kwargs: Any) -> Any:
         """The decision table chosen for the step's ``jaxmem.remat`` blocks, as a
-        :class:`jaxmem.scanplan.BlockPlan` (``None`` when the step has none)."""
+        :class:`jaxmem.planners.scanplan.BlockPlan` (``None`` when the step has none)."""
         key, dyn, rebuild = self._split(args, kwargs)
         return self._entry(key, dyn, rebuild).block_plan
 
@@ -426,7 +422,7 @@ class Optimized:
     def _block_plan(self, dyn: tuple[Any, ...], rebuild: Any, config: Config,
                     target: targets_lib.Target) -> tuple[Any, Any]:
         """The step under the decision table of its jaxmem.remat blocks, which its trace holds."""
-        from jaxmem import scanplan
+        from jaxmem.planners import scanplan
 
         return scanplan.with_block_plan(rebuild, dyn, budget_bytes=config.budget_bytes(target),
                                         target=target.name, donate_argnums=rebuild.donated,

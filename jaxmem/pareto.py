@@ -5,7 +5,7 @@ more planners -- each budget through the verify loop of
 :func:`jaxmem.optimize` -- and returns one frozen :class:`Point` per
 (planner, budget). :func:`frontier` keeps the points no other point beats on
 both memory and time. Step times are roofline estimates for the target
-(:mod:`jaxmem.costmodel`), never measurements.
+(:mod:`jaxmem.cost.costmodel`), never measurements.
 
 Without ``budgets`` the sweep starts at the unplanned step's compiled device
 bytes and lowers the budget geometrically (``factor``, default 0.8) until the
@@ -33,15 +33,17 @@ from typing import Any, Callable, Literal, Sequence
 
 import jax
 
-from jaxmem import plan as plan_lib, targets as targets_lib, trace as trace_lib
+from jaxmem import targets as targets_lib
 from jaxmem._arguments import abstract_args
 from jaxmem.config import Config, parse_bytes
+from jaxmem.cost.measure import Report, report
+from jaxmem.cost.profile import planning_cost_model
 from jaxmem.errors import InfeasibleBudgetError
-from jaxmem.measure import Report, report
 from jaxmem.optimize import Optimized, _NnxOptimized, optimize
-from jaxmem.profile import planning_cost_model
+from jaxmem.plans import plan as plan_lib
+from jaxmem.tracing import trace as trace_lib
 from jaxmem.units import format_bytes
-from jaxmem.verify import effective_config, verify
+from jaxmem.verify.loop import effective_config, verify
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ class Point:
         ``"smallest_feasible"`` (the extra point at the budget a failure named).
       monotone: ``False`` when a higher budget of the same planner compiled to
         fewer device bytes (monotone quality; also logged).
-      report: the full :class:`~jaxmem.measure.Report` (not in the repr).
+      report: the full :class:`~jaxmem.cost.measure.Report` (not in the repr).
       step: the emitted step, ``jax.jit``-ed, called with the step's dynamic
         arguments (not in the repr).
     """

@@ -4,7 +4,7 @@ The registry (:func:`jaxmem.planners.register`) wraps each planner function so t
 
 * options are checked first (a bad option is an error even for a step that fits);
 * a step that fits the budget as written, under the simulator, is returned
-  unplanned (:func:`jaxmem.plan.unplanned`: program order, no re-issue, no copy),
+  unplanned (:func:`jaxmem.plans.plan.unplanned`: program order, no re-issue, no copy),
   status ``"ok"``, with a note saying so: every plan runs each op at least once,
   so no plan is estimated faster, and a decision it does not need can only change
   how XLA compiles the step;
@@ -34,7 +34,7 @@ The registry (:func:`jaxmem.planners.register`) wraps each planner function so t
   gradient elements. The re-issue is dropped and the plan re-simulated.
 
 >>> import jax, jax.numpy as jnp
->>> from jaxmem.graph import build_graph
+>>> from jaxmem.analysis.graph import build_graph
 >>> g = build_graph(lambda x: jnp.sum(jnp.sin(jnp.ones((4, 4))) @ x), jnp.ones((4, 4)))
 >>> sorted(g.ops[g.tensors[t].producer].primitive for t in constant_tensors(g))
 ['broadcast_in_dim', 'sin']
@@ -47,7 +47,7 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from jaxmem import plan as plan_lib
+from jaxmem.plans import plan as plan_lib
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def fits_as_written(graph: Any, name: str, budget_bytes: int, cost_model: Any,
             memo[key] = peak
     if peak > budget_bytes:
         return None
-    from jaxmem.planners.sublinear import estimate_time_s
+    from jaxmem.planners._shared import estimate_time_s
 
     logger.info("%s: the step as written fits (%d B simulated, budget %d B); no decisions",
                 name, peak, budget_bytes)
@@ -102,8 +102,8 @@ def without_constant_decisions(graph: Any, plan: plan_lib.Plan, cost_model: Any
     dropped = sorted((set(plan.offload) & constant) | buffers)
     if not dropped:
         return plan
-    from jaxmem import placement as placement_lib
-    from jaxmem.planners.sublinear import estimate_time_s
+    from jaxmem.planners._shared import estimate_time_s
+    from jaxmem.plans import placement as placement_lib
 
     kept = plan.replace(offload={t: p for t, p in plan.offload.items() if t not in constant},
                         remat={t: p for t, p in plan.remat.items() if t not in buffers})
@@ -209,7 +209,7 @@ def _resimulated(graph: Any, plan: plan_lib.Plan) -> tuple[int, str]:
     """The simulated peak of a plan a rule changed, and its status against its budget."""
     placed = [t for t, where in plan.placement.items() if where == "pinned_host"]
     if placed:
-        from jaxmem import placement as placement_lib
+        from jaxmem.plans import placement as placement_lib
 
         peak = placement_lib.simulate_plan(graph, plan).peak_bytes
     else:
@@ -235,8 +235,8 @@ def masked_sums(graph: Any) -> frozenset[int]:
     A masked value only matmuls read (attention-probability dropout) is not one:
     its re-issue stays a buffer of its own.
     """
-    from jaxmem.materialize import is_fusible
-    from jaxmem.view import REDUCTIONS
+    from jaxmem.analysis.materialize import is_fusible
+    from jaxmem.plans.view import REDUCTIONS
 
     tensors, ops = graph.tensors, graph.ops
     random: dict[int, bool] = {}

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxmem.graph import MemGraph
+from jaxmem.analysis.graph import MemGraph
 from jaxmem.planners.matmuls import MATMUL_PRIMITIVES
 
 # The fewest ops a repeated block may have.
@@ -127,7 +127,7 @@ def repeated_blocks(graph: MemGraph, forward: Sequence[int],
     """The runs of repeated blocks among ``forward`` (the forward ops, in order).
 
     ``cuts``: per forward op, the buffers made so far that later forward ops read
-    (:func:`~jaxmem.planners.sublinear.forward_cuts`). Returns ``[(start, period,
+    (:func:`~jaxmem.planners._shared.forward_cuts`). Returns ``[(start, period,
     count), ...]``, ``start`` a position in ``forward``.
     """
     anchor = np.array([graph.ops[op].primitive in MATMUL_PRIMITIVES for op in forward], bool)

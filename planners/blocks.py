@@ -24,13 +24,13 @@ What the plan keeps:
 - with ``save="dots"`` (``"dots_no_batch"``), the matmul and convolution
   outputs inside the blocks (without batch dimensions), as ``dots_saveable``
   (``dots_with_no_batch_dims_saveable``) would;
-- the residuals :func:`~jaxmem.planners.sublinear.profile` always keeps: those
+- the residuals :func:`~jaxmem.planners._shared.profile` always keeps: those
   that cannot be re-issued, are read soon after they are made, take longer to
   recompute than to copy to host and back, or are small (``small_fraction`` of
   the largest buffer kept at a block boundary: a norm's statistics).
 
 Everything else a block's backward pass reads is re-issued from those, once,
-before its first backward reader (:func:`~jaxmem.planners.sublinear.remat_points`,
+before its first backward reader (:func:`~jaxmem.planners._shared.remat_points`,
 whose segments recompute the values XLA fuses into summations too where that
 keeps the plain step's bits, ``bitwise``). The plan does not depend on the
 budget, which only decides its status. A step with neither module paths whose
@@ -40,8 +40,8 @@ convolution has no blocks: the plan then recomputes nothing and its notes say
 why. ``cpsat`` uses it as a warm start.
 
 >>> import jax, jax.numpy as jnp
->>> from jaxmem.graph import build_graph
->>> from jaxmem.costmodel import CostModel
+>>> from jaxmem.analysis.graph import build_graph
+>>> from jaxmem.cost.costmodel import CostModel
 >>> def loss(ws, x):
 ...     for i, w in enumerate(ws):
 ...         with jax.named_scope(f"layer_{i}"):
@@ -62,13 +62,11 @@ import logging
 import time
 from typing import Any, Mapping, Sequence
 
-from jaxmem import plan as plan_lib
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import MemGraph
+from jaxmem.analysis.graph import MemGraph
+from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._registry import register
 from jaxmem.planners._repeats import MIN_OPS, repeated_blocks
-from jaxmem.planners.matmuls import makes_matmul
-from jaxmem.planners.sublinear import (
+from jaxmem.planners._shared import (
     Residuals,
     check_options,
     find_residuals,
@@ -78,6 +76,8 @@ from jaxmem.planners.sublinear import (
     profile,
     remat_points,
 )
+from jaxmem.planners.matmuls import makes_matmul
+from jaxmem.plans import plan as plan_lib
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def detect_blocks(graph: MemGraph, res: Residuals, forward: Sequence[int],
     (:func:`~jaxmem.planners._repeats.repeated_blocks`) cover more of its ops: a
     Flax NNX step's only paths are its einsums' names, which repeat too.
     ``forward``: the forward ops in ``res.order``; ``cuts``: their
-    :func:`~jaxmem.planners.sublinear.forward_cuts`, where the caller has them.
+    :func:`~jaxmem.planners._shared.forward_cuts`, where the caller has them.
     """
     modules = graph.program.modules  # empty for programs built without trace()
     if len(modules) != len(graph.ops):
@@ -167,7 +167,7 @@ def blocks(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     Options: ``save`` (``"nothing"``, the default, ``"dots"`` or
     ``"dots_no_batch"``: what a block keeps besides its input), ``bitwise``,
     ``small_fraction`` and ``short_lifetime`` (as for
-    :func:`~jaxmem.planners.sublinear.sublinear`).
+    :func:`~jaxmem.planners.literature.sublinear.sublinear`).
 
     Returns:
       The plan, scored by the simulator; ``"over_budget"`` when it does not fit.
@@ -208,7 +208,7 @@ def _kept(graph: MemGraph, res: Residuals, cost_model: CostModel, forward: list[
           cuts: tuple[tuple[int, frozenset[int]], ...]) -> frozenset[int]:
     """Block inputs and outputs, residuals made outside blocks, ``save``'s matmuls, forced keeps.
 
-    The forced keeps are :func:`~jaxmem.planners.sublinear.profile`'s, with
+    The forced keeps are :func:`~jaxmem.planners._shared.profile`'s, with
     "small" measured against the largest buffer kept at a block boundary: a
     loss head's logits, or a layer's attention matrix (1% of Llama's 4 GiB
     f32 exponential is 41 MiB), must not make a layer's projections small

@@ -1,4 +1,4 @@
-"""Coarsen a :class:`~jaxmem.graph.MemGraph` into the CP-SAT planner's problem, and back.
+"""Coarsen a :class:`~jaxmem.analysis.graph.MemGraph` into the CP-SAT planner's problem, and back.
 
 Two levels, both keep every cluster *convex* (no path leaves a cluster and
 comes back), so the coarse graph stays acyclic and any node order expands to
@@ -25,8 +25,8 @@ chain of ops in its node that it needs (buffers internal to the node are
 re-issued with it); the chain's inputs must then be resident.
 
 >>> import jax.numpy as jnp
->>> from jaxmem.graph import build_graph
->>> from jaxmem.costmodel import CostModel
+>>> from jaxmem.analysis.graph import build_graph
+>>> from jaxmem.cost.costmodel import CostModel
 >>> g = build_graph(lambda x: jnp.sin(x @ x) @ x, jnp.ones((64, 64)))
 >>> c = coarsen(g, 1 << 20, CostModel.for_target("h100"))
 >>> len(c.problem.nodes) <= len(g.ops), c.fixed_bytes
@@ -41,12 +41,13 @@ import math
 import re
 from typing import Any, Sequence
 
-from jaxmem import materialize as mat, plan as plan_lib
+from jaxmem.analysis import materialize as mat
 from jaxmem.planners._cpsat_problem import Item, Node, Problem, Schedule
 from jaxmem.planners._principles import constant_tensors
+from jaxmem.plans import plan as plan_lib
 
 # Readers that keep XLA's fusion unchanged however a re-issue splits them (see
-# jaxmem.plan.remat_keeps_fusion): re-issuing a fusible producer is safe only then.
+# jaxmem.plans.plan.remat_keeps_fusion): re-issuing a fusible producer is safe only then.
 _SPLIT_SAFE = mat.MATERIALIZING_CONSUMERS | mat.ELEMENTWISE | mat.LAYOUT
 _PHASE_PENALTY = 4.0
 _LAYER_PENALTY = 1.0
@@ -180,7 +181,7 @@ def coarsen(graph: Any, budget_bytes: int, cost_model: Any, *, max_nodes: int = 
     Args:
       graph: the step's MemGraph.
       budget_bytes: device bytes the plan may use.
-      cost_model: a :class:`jaxmem.costmodel.CostModel` (op and copy times).
+      cost_model: a :class:`jaxmem.cost.costmodel.CostModel` (op and copy times).
       max_nodes: most nodes after coarsening.
       reserve_bytes: budget kept back for XLA's workspace.
       allow_remat / allow_offload / allow_reorder: which decisions the solver may take.

@@ -1,6 +1,6 @@
 """The CP-SAT planner (``cpsat``): order, remat and offload decided together.
 
-The step's :class:`~jaxmem.graph.MemGraph` is coarsened
+The step's :class:`~jaxmem.analysis.graph.MemGraph` is coarsened
 (:mod:`jaxmem.planners.coarsen`: fused ops join their consumers, then
 adjacent nodes merge up to ``max_nodes``), and one OR-Tools CP-SAT model
 (:mod:`._cpsat_model`, semantics in :mod:`._cpsat_problem`) decides jointly
@@ -52,9 +52,9 @@ How it runs, within ``time_limit_s``:
    and the bench records the time taken as ``solve_time_s``. A search or solve
    stopped by the clock rather than by its own end may not repeat exactly; the
    notes say where.
-4. **Check.** The solution becomes a :class:`~jaxmem.plan.Plan`; the simulator
-   (:func:`jaxmem.plan.simulate_plan`) sets ``predicted_peak_bytes`` and the
-   shared estimate (:func:`jaxmem.planners.sublinear.estimate_time_s`) sets
+4. **Check.** The solution becomes a :class:`~jaxmem.plans.plan.Plan`; the simulator
+   (:func:`jaxmem.plans.plan.simulate_plan`) sets ``predicted_peak_bytes`` and the
+   shared estimate (:func:`jaxmem.planners._shared.estimate_time_s`) sets
    ``predicted_time_s``. The heuristic plans are scored the same way; the
    fastest plan that fits is returned (the solver's unless a heuristic beats
    it: then ``status="fallback: ..."``). Nothing fits: ``"over_budget"``.
@@ -75,8 +75,8 @@ How it runs, within ``time_limit_s``:
    cannot fit; when no candidate fits without a placement, the same placement step
    (:func:`jaxmem.planners.greedy.place_state`) runs on the solver's plan and on
    the two lowest-peak heuristic plans, and those compete too. Candidates with a
-   placement are scored by :func:`jaxmem.placement.simulate_plan` and the
-   estimate plus :func:`jaxmem.placement.update_time_s`. The solver's plan with
+   placement are scored by :func:`jaxmem.plans.placement.simulate_plan` and the
+   estimate plus :func:`jaxmem.plans.placement.update_time_s`. The solver's plan with
    state placed is status ``"ok"`` without a bound (the solver places no state).
 
 ``lower_bound`` and ``gap`` are the solver's, on its objective: the step time
@@ -105,8 +105,8 @@ with its plan, ``"blocks:<save>"`` being ``blocks`` with that ``save`` option;
 ``memo`` (None; the verify loop's dict for its rounds, see step 1).
 
 >>> import jax, jax.numpy as jnp
->>> from jaxmem.graph import build_graph
->>> from jaxmem.costmodel import CostModel
+>>> from jaxmem.analysis.graph import build_graph
+>>> from jaxmem.cost.costmodel import CostModel
 >>> g = build_graph(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) @ w)),
 ...                 jnp.ones((64, 64)), jnp.ones((256, 64)))
 >>> plan = plan_cpsat(g, 1 << 30, CostModel.for_target("h100"), {"time_limit_s": 5})
@@ -121,17 +121,17 @@ import logging
 import time
 from typing import Any, Mapping
 
-from jaxmem import placement as placement_lib, plan as plan_lib
 from jaxmem.planners import _cpsat_model
 from jaxmem.planners._cpsat_hint import repair
 from jaxmem.planners._cpsat_model import MIN_SOLVE_S as _MIN_SOLVE_S
 from jaxmem.planners._cpsat_problem import Evaluation, Schedule, evaluate
 from jaxmem.planners._principles import without_constant_decisions
 from jaxmem.planners._registry import get, register
+from jaxmem.planners._shared import estimate_time_s
 from jaxmem.planners.blocks import SAVE
 from jaxmem.planners.coarsen import Coarsening, coarsen, plan_schedule, schedule_fields
 from jaxmem.planners.greedy import place_state
-from jaxmem.planners.sublinear import estimate_time_s
+from jaxmem.plans import placement as placement_lib, plan as plan_lib
 
 logger = logging.getLogger(__name__)
 
@@ -359,7 +359,7 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
     Args:
       graph: the step's ``MemGraph``.
       budget_bytes: device bytes the step may use.
-      cost_model: a :class:`jaxmem.costmodel.CostModel` for the target.
+      cost_model: a :class:`jaxmem.cost.costmodel.CostModel` for the target.
       options: see the module docstring; unknown keys raise.
 
     Returns:

@@ -9,7 +9,7 @@ reader after the gap (remat; costs the producer's time on the cost model) or
 copy it to pinned host after it is produced and prefetch it back before that
 reader (offload; costs the copies at the link's bandwidth each way).
 
-Each round simulates the plan (:func:`jaxmem.plan.simulate_plan`), takes the
+Each round simulates the plan (:func:`jaxmem.plans.plan.simulate_plan`), takes the
 candidates alive at the peak, ranks them by bytes freed per second of extra
 work, and splits the best ones until the bytes they free cover the excess.
 A round that makes the peak worse is undone and its candidates set aside (one
@@ -21,14 +21,14 @@ from constants only are never split (XLA folds them; :mod:`jaxmem.planners._prin
 The order of operations is never changed (greedy does not reorder, whatever
 ``allow_reorder`` says). With ``allow_state_offload``, a plan still over
 budget then places optimizer state (then parameters) in pinned host memory,
-one input at a time in :func:`jaxmem.placement.candidates` order, keeping each
-that lowers the placement-aware simulated peak (:mod:`jaxmem.placement`), and
+one input at a time in :func:`jaxmem.plans.placement.candidates` order, keeping each
+that lowers the placement-aware simulated peak (:mod:`jaxmem.plans.placement`), and
 runs the placed optimizer state's update on the host when the cost model
-estimates that faster than prefetching it (:func:`jaxmem.placement.choose_host_update`).
+estimates that faster than prefetching it (:func:`jaxmem.plans.placement.choose_host_update`).
 
 >>> import jax.numpy as jnp
->>> from jaxmem.graph import build_graph
->>> from jaxmem.costmodel import CostModel
+>>> from jaxmem.analysis.graph import build_graph
+>>> from jaxmem.cost.costmodel import CostModel
 >>> g = build_graph(lambda x: jnp.sum(jnp.sin(x @ x) @ x), jnp.ones((64, 64)))
 >>> plan = plan_greedy(g, 1 << 30, CostModel.for_target("cpu"), {})
 >>> plan.status, dict(plan.remat), dict(plan.offload)
@@ -42,9 +42,9 @@ import logging
 import time
 from typing import Any, Mapping
 
-from jaxmem import placement as placement_lib, plan as plan_lib
 from jaxmem.planners._principles import constant_tensors
 from jaxmem.planners._registry import register
+from jaxmem.plans import placement as placement_lib, plan as plan_lib
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
     Args:
       graph: the step's ``MemGraph``.
       budget_bytes: device bytes the plan must fit in.
-      cost_model: a ``jaxmem.costmodel.CostModel`` (times of ops and copies).
+      cost_model: a ``jaxmem.cost.costmodel.CostModel`` (times of ops and copies).
       options: ``allow_remat``, ``allow_offload`` (default True),
         ``allow_state_offload`` (default False: place no inputs on host),
         ``host_budget_bytes`` (pinned host the offloads may use, default 64 GiB),
@@ -314,7 +314,7 @@ def place_state(graph: Any, plan: plan_lib.Plan, budget_bytes: int, host_left: i
                 deadline: float | None = None) -> tuple[dict[int, str], Any]:
     """Inputs to place on pinned host, and the placement-aware simulation of the result.
 
-    Candidates are tried in :func:`jaxmem.placement.candidates` order (optimizer
+    Candidates are tried in :func:`jaxmem.plans.placement.candidates` order (optimizer
     state first, larger first: every byte costs the same link time, so bytes per
     second of copies ranks them alike); one is kept when it lowers the peak. Stops
     when the peak fits ``budget_bytes``, or at ``deadline`` (a ``time.perf_counter()``

@@ -4,7 +4,7 @@ The flat-graph counterpart of JAX's ``dots_saveable`` policy. Residuals (forward
 buffers the backward pass reads) made by a ``dot_general`` or a convolution are
 kept; every other residual -- activations, normalizations, the elementwise ops
 between matmuls -- is re-issued before its first backward reader when its
-recompute closure (:func:`jaxmem.planners.sublinear.remat_points`, with the
+recompute closure (:func:`jaxmem.planners._shared.remat_points`, with the
 other residuals kept) needs no matmul, so it comes back by elementwise work
 from values that stay alive anyway. The recomputation costs
 elementwise work only, which on a GPU is memory-bound and cheap next to the
@@ -22,7 +22,7 @@ recomputation needs a matmul, the cheapest per byte first, until the plan fits
 (``save_dot_except_mlpwi``, ``save_qkv_proj``, ...) make by name, made by cost
 per byte for any budget.
 
-Segments are those of :func:`~jaxmem.planners.sublinear.find_residuals`, with
+Segments are those of :func:`~jaxmem.planners._shared.find_residuals`, with
 the values XLA fuses into summations recomputed too where that keeps the plain
 step's bits (``bitwise``, as for ``sublinear``). The plans of ``keep_matmuls``
 and ``keep_matmuls_no_batch`` do not depend on the budget (the budget only
@@ -30,8 +30,8 @@ decides their status), like ``chen``'s. Options:
 ``bitwise`` besides the ones every planner receives.
 
 >>> import jax, jax.numpy as jnp
->>> from jaxmem.graph import build_graph
->>> from jaxmem.costmodel import CostModel
+>>> from jaxmem.analysis.graph import build_graph
+>>> from jaxmem.cost.costmodel import CostModel
 >>> def loss(w, x):
 ...     a = jnp.sin(x @ w)           # sin' reads x @ w: both are residuals
 ...     return jnp.sum((a @ w) ** 2)
@@ -48,11 +48,10 @@ import logging
 import time
 from typing import Any, Mapping
 
-from jaxmem import plan as plan_lib
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import MemGraph
+from jaxmem.analysis.graph import MemGraph
+from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._registry import register
-from jaxmem.planners.sublinear import (
+from jaxmem.planners._shared import (
     check_options,
     find_residuals,
     finish,
@@ -61,6 +60,7 @@ from jaxmem.planners.sublinear import (
     reissuable,
     remat_points,
 )
+from jaxmem.plans import plan as plan_lib
 
 logger = logging.getLogger(__name__)
 

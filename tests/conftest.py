@@ -34,8 +34,9 @@ CPU_REMAT_BYTES = ("XLA:CPU 0.12 keeps recomputations under the exact compiler o
 # 5,817,980 B; under 0.10.2 2,658,460 B against 2,943,444 B), so no budget lies between them.
 RELAXED_BF16 = ("on XLA 0.12 the relaxed plans of this bf16 step compile higher for h100 than "
                 "its bit-exact ones (6,325,116 B against 5,817,980 B): no budget between")
-# jaxmem.hlo's byte count of a scan on h100 differs from XLA's cost analysis on 0.12.
-SCAN_BYTES = "jaxmem.hlo's bytes of a scanned step on h100 differ from XLA 0.12's cost analysis"
+# jaxmem.cost.hlo's byte count of a scan on h100 differs from XLA's cost analysis on 0.12.
+SCAN_BYTES = ("jaxmem.cost.hlo's bytes of a scanned step on h100 differ from XLA 0.12's cost "
+              "analysis")
 
 KNOWN_ON_CURRENT_JAX = {
     CPU_REMAT_BITS: [

@@ -25,12 +25,13 @@ import pytest
 from flax import nnx
 
 import jaxmem.planners as registry
-from jaxmem import emit as emit_lib, plan as plan_lib
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import build_graph
+from jaxmem import emit as emit_lib
+from jaxmem.analysis.graph import build_graph
+from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners import blocks as blocks_lib
 from jaxmem.planners._repeats import MIN_OPS, repeated_blocks, tandem_repeats
-from jaxmem.planners.sublinear import Residuals, find_residuals, forward_cuts
+from jaxmem.planners._shared import Residuals, find_residuals, forward_cuts
+from jaxmem.plans import plan as plan_lib
 
 VOCAB, SEQ, D, HEADS, LAYERS, BATCH = 64, 16, 32, 4, 3, 4
 

@@ -9,12 +9,13 @@ import pytest
 
 import jaxmem.models as zoo
 import jaxmem.planners as registry
-from jaxmem import emit as emit_lib, plan as plan_lib
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import build_graph
+from jaxmem import emit as emit_lib
+from jaxmem.analysis.graph import build_graph
+from jaxmem.cost.costmodel import CostModel
+from jaxmem.planners._shared import find_residuals
 from jaxmem.planners.blocks import find_blocks
 from jaxmem.planners.matmuls import MATMUL_PRIMITIVES
-from jaxmem.planners.sublinear import find_residuals
+from jaxmem.plans import plan as plan_lib
 
 COST = CostModel.for_target("h100")
 

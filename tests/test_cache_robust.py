@@ -107,7 +107,7 @@ def test_a_cache_folder_that_cannot_be_written_warns_and_the_step_runs(tmp_path,
     blocker.write_text("")
     step = _step(blocker / "plans")  # a folder under a file: cannot be created
     w, x = _args()
-    with caplog.at_level(logging.WARNING, logger="jaxmem.cache"):
+    with caplog.at_level(logging.WARNING, logger="jaxmem.verify.cache"):
         got = step(w, x)
     assert np.array_equal(got, jax.jit(jax.grad(_loss))(w, x))
     assert "cannot write" in caplog.text and "not stored" in caplog.text

@@ -17,7 +17,7 @@ and lists). The memory kind of each leaf is therefore saved beside the state
 the restore passes a target tree of ``ShapeDtypeStruct``s whose shardings
 carry those kinds.
 
-Feeding a step its own host-resident outputs relies on ``jaxmem.trace``
+Feeding a step its own host-resident outputs relies on ``jaxmem.tracing.trace``
 tracing arguments in host memory as if they were on the device (JAX refuses
 an op over two memory spaces, so the user's step could not be traced on them);
 the second test checks that on its own.
@@ -43,8 +43,8 @@ import numpy as np
 
 import jaxmem
 import jaxmem.models as zoo
-from jaxmem import trace as trace_lib
-from jaxmem.verify import device_bytes
+from jaxmem.tracing import trace as trace_lib
+from jaxmem.verify.loop import device_bytes
 
 # mlp keeps the test near 20 s; with "gpt2" it passes too (about 30 s of CPU time).
 MODEL = "mlp"
@@ -152,7 +152,7 @@ def test_partly_host_placed_state_resumes_bit_identically_in_a_fresh_process(tmp
     kinds = _memory_kinds(saved)
     assert set(kinds.values()) == {"device", "pinned_host"}, \
         f"the planned step should keep part (not all) of the state on host: {kinds}"
-    # Placement tries the optimizer state first (jaxmem.placement.candidates).
+    # Placement tries the optimizer state first (jaxmem.plans.placement.candidates).
     assert any(kind == "pinned_host" for p, kind in kinds.items() if "opt_state" in p), kinds
     _save(tmp_path / "checkpoint", saved)
     uninterrupted, second = _train(step, saved, batches[STEPS_BEFORE:])

@@ -19,12 +19,13 @@ import jax
 
 import jaxmem.models as zoo
 import jaxmem.planners as registry
-from jaxmem import emit as emit_lib, plan as plan_lib, targets
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import build_graph
-from jaxmem.measure import report
-from jaxmem.schedule import build_schedule, simulate_plan
-from jaxmem.simulate import simulate
+from jaxmem import emit as emit_lib, targets
+from jaxmem.analysis.graph import build_graph
+from jaxmem.analysis.simulate import simulate
+from jaxmem.cost.costmodel import CostModel
+from jaxmem.cost.measure import report
+from jaxmem.plans import plan as plan_lib
+from jaxmem.plans.schedule import build_schedule, simulate_plan
 
 
 def _vgg():
@@ -91,6 +92,6 @@ def test_companions_outlive_a_reissued_stem_until_the_pools_gradient():
     made = next(i for i, s in enumerate(steps) if stem.id in s.alloc)
     died = next(i for i, s in enumerate(steps) if stem.id in s.free)
     assert held in steps[made].alloc and died < freed_at + 1 and held in steps[freed_at + 1].free
-    from jaxmem import report as report_lib
+    from jaxmem.plans import report as report_lib
     _, after = report_lib.before_and_after(g, plan)  # the held id counts in its buffer's role
     assert max(after.total) >= simulate_plan(g, plan).peak_bytes - 1

@@ -24,15 +24,15 @@ import jax.numpy as jnp
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from jaxmem import plan as plan_lib
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import build_graph
+from jaxmem.analysis.graph import build_graph
+from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners import _cpsat_model as model, get, names
 from jaxmem.planners._cpsat_hint import repair
 from jaxmem.planners._cpsat_problem import Item, Node, Problem, Schedule, evaluate
+from jaxmem.planners._shared import estimate_time_s
 from jaxmem.planners.coarsen import coarsen
 from jaxmem.planners.cpsat import plan_cpsat
-from jaxmem.planners.sublinear import estimate_time_s
+from jaxmem.plans import plan as plan_lib
 
 H100 = CostModel.for_target("h100")
 FAST = {"time_limit_s": 4.0}
@@ -517,8 +517,8 @@ def test_cpsat_does_not_abort_the_process_on_the_tiny_mlp_train_step():
 
     script = (
         "import jaxmem.models as zoo, jaxmem.planners as reg\n"
-        "from jaxmem.graph import build_graph\n"
-        "from jaxmem.costmodel import CostModel\n"
+        "from jaxmem.analysis.graph import build_graph\n"
+        "from jaxmem.cost.costmodel import CostModel\n"
         "from jaxmem import plan as P\n"
         "zs = zoo.build('mlp', 'tiny', step='train')\n"
         "g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,"

@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem import emit, plan as plan_lib
-from jaxmem.graph import build_graph
+from jaxmem import emit
+from jaxmem.analysis.graph import build_graph
 from jaxmem.planners import _principles
+from jaxmem.plans import plan as plan_lib
 
 
 def _bitwise(a, b) -> bool:

@@ -13,11 +13,14 @@ import pytest
 
 import jaxmem.models as zoo
 from bench.random_exactness import random_order, random_program
-from jaxmem import emit, hlo, plan as plan_lib, simulate, targets
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import analyse, build_graph
+from jaxmem import emit, targets
+from jaxmem.analysis import simulate
+from jaxmem.analysis.graph import analyse, build_graph
+from jaxmem.cost import hlo
+from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners import greedy
-from jaxmem.trace import trace
+from jaxmem.plans import plan as plan_lib
+from jaxmem.tracing.trace import trace
 
 CPU = CostModel.for_target("cpu")
 MiB = 1 << 20

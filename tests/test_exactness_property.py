@@ -36,8 +36,8 @@ import pytest
 
 from bench.random_exactness import MODES, random_plan, random_program
 from jaxmem import emit
-from jaxmem.graph import analyse
-from jaxmem.trace import trace
+from jaxmem.analysis.graph import analyse
+from jaxmem.tracing.trace import trace
 
 DEFAULT_SEED = 4234475722
 _REPLAY = os.environ.get("JAXMEM_PROPERTY_SEED")

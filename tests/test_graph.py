@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem import plan as plan_lib
-from jaxmem.graph import analyse, build_graph
-from jaxmem.trace import trace
+from jaxmem.analysis.graph import analyse, build_graph
+from jaxmem.plans import plan as plan_lib
+from jaxmem.tracing.trace import trace
 
 F32 = 4
 

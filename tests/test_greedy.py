@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import pytest
 
 import jaxmem.planners as planners
-from jaxmem import plan as plan_lib
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import build_graph
+from jaxmem.analysis.graph import build_graph
+from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners import greedy
+from jaxmem.plans import plan as plan_lib
 
 CPU = CostModel.for_target("cpu")
 

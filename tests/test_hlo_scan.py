@@ -1,4 +1,4 @@
-"""Memory traffic of scan loops in jaxmem.hlo: each iteration costs its slices.
+"""Memory traffic of scan loops in jaxmem.cost.hlo: each iteration costs its slices.
 
 A ``lax.scan`` compiles to a ``while`` loop whose body reads slice ``i`` of
 stacked inputs (``dynamic-slice``) and writes slice ``i`` of stacked outputs
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxmem
-from jaxmem import hlo
+from jaxmem.cost import hlo
 
 S = jax.ShapeDtypeStruct
 

@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 from test_placement import _case as placement_case
 
-from jaxmem import emit, hlo, placement, plan as plan_lib, targets
-from jaxmem.costmodel import CostModel
-from jaxmem.measure import report
+from jaxmem import emit, targets
+from jaxmem.cost import hlo
+from jaxmem.cost.costmodel import CostModel
+from jaxmem.cost.measure import report
 from jaxmem.planners import greedy
+from jaxmem.plans import placement, plan as plan_lib
 
 HOST_THREAD = 'execution_thread="host"'
 

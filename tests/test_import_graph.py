@@ -1,10 +1,11 @@
-"""The package's import graph: no cycle among module-level imports, and JAX's internals
-(``jax._src``) read in one compatibility module only, so that a JAX release that moves them
-breaks one file.
+"""The package's import graph: the pipeline's stages import only the stages below them, no
+cycle among module-level imports, and JAX's internals (``jax._src``) read in one
+compatibility module only, so that a JAX release that moves them breaks one file.
 
-Module-level imports only: an import inside a function runs when the function does, after
-every module is loaded. ``from jaxmem import plan`` is an edge to ``jaxmem.plan``, not to the
-package, whose ``__init__`` re-exports the public API.
+The cycle check reads module-level imports (an import inside a function runs when the
+function does, after every module is loaded); the stage check reads every import, in
+functions too. ``from jaxmem.plans import plan`` is an edge to ``jaxmem.plans.plan``, not to
+the package.
 """
 
 from __future__ import annotations
@@ -43,15 +44,17 @@ def _imported(node: ast.AST, name: str, path: pathlib.Path) -> set[str]:
     return {base} | {f"{base}.{a.name}" for a in node.names}
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(everywhere: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules it imports: at module level, or ``everywhere`` (in functions too)."""
     modules = _modules()
     graph = {}
     for name, path in modules.items():
         edges: set[str] = set()
-        for node in ast.parse(path.read_text()).body:  # module level only
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree) if everywhere else tree.body:
             names = _imported(node, name, path)
             submodules = {n for n in names if n in modules and n != name}
-            # `from jaxmem import plan` names the module jaxmem.plan, not the package
+            # `from jaxmem.plans import plan` names the module jaxmem.plans.plan, not the package
             edges |= {n for n in submodules if not any(
                 other.startswith(n + ".") for other in submodules)}
         graph[name] = edges
@@ -90,6 +93,53 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+# The stages, lowest first (docs/architecture.md): a module may import its own stage's modules
+# and those of any stage below. A module is in the stage of its longest listed prefix.
+STAGES = (
+    ("base", ("jaxmem._compat", "jaxmem._startup", "jaxmem.targets", "jaxmem.units",
+              "jaxmem.errors", "jaxmem.level")),
+    ("tracing", ("jaxmem.tracing",)),
+    ("analysis", ("jaxmem.analysis",)),
+    ("plans", ("jaxmem.plans",)),
+    ("emit", ("jaxmem.emit",)),
+    ("cost", ("jaxmem.cost",)),
+    ("planners", ("jaxmem.planners",)),
+    ("config", ("jaxmem.config",)),
+    ("verify", ("jaxmem.verify",)),
+    ("zoo", ("jaxmem.models",)),  # example models for the bench and tests; only the CLI reads it
+    ("api", ("jaxmem", "jaxmem.optimize", "jaxmem._arguments", "jaxmem.pareto", "jaxmem.cli",
+             "jaxmem.__main__")),
+)
+
+
+def _stage(module: str) -> int:
+    found = [(len(prefix), rank) for rank, (_, prefixes) in enumerate(STAGES)
+             for prefix in prefixes if module == prefix or module.startswith(prefix + ".")]
+    assert found, f"{module} is in no stage: add it to STAGES"
+    return max(found)[1]
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} ({STAGES[_stage(m)][0]}) imports {n} ({STAGES[_stage(n)][0]})"
+                  for m, edges in graph.items() for n in edges if _stage(n) > _stage(m))
+
+
+def test_every_module_is_in_a_stage():
+    for module in _modules():
+        _stage(module)
+
+
+def test_no_stage_imports_a_stage_above_it():
+    graph = _graph(everywhere=True)
+    assert sum(map(len, graph.values())) > sum(map(len, _graph().values()))  # functions read
+    assert _upward(graph) == []
+
+
+def test_the_stage_check_finds_an_upward_import():
+    assert _upward({"jaxmem.analysis.graph": {"jaxmem.plans.plan"}}) == [
+        "jaxmem.analysis.graph (analysis) imports jaxmem.plans.plan (plans)"]
+
+
 def test_the_module_level_imports_have_no_cycle():
     graph = _graph()
     assert len(graph) > 40 and sum(map(len, graph.values())) > 40  # the graph was read
@@ -103,6 +153,6 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_jax_internals_are_read_in_the_compatibility_module_only():
     readers = sorted(
         str(path.relative_to(ROOT)) for folder in (*PACKAGES.values(), ROOT / "bench")
-        for path in folder.glob("*.py")
+        for path in folder.rglob("*.py")
         if "jax._src" in path.read_text() and path != PACKAGES["jaxmem"] / "_compat.py")
     assert readers == []

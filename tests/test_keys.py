@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem import emit, plan as plan_lib
-from jaxmem.graph import build_graph
-from jaxmem.schedule import simulate_plan
+from jaxmem import emit
+from jaxmem.analysis.graph import build_graph
+from jaxmem.plans import plan as plan_lib
+from jaxmem.plans.schedule import simulate_plan
 
 KINDS = ("legacy", "typed", "rbg", "seed", "constant")
 

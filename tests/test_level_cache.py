@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem import cache as cache_lib, level as level_lib
+from jaxmem import level as level_lib
 from jaxmem.config import DEFAULT_PLAN_CACHE
-from jaxmem.verify import effective_config
+from jaxmem.verify import cache as cache_lib
+from jaxmem.verify.loop import effective_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,7 +138,7 @@ def test_a_warm_cache_skips_the_planner(tmp_path, monkeypatch, caplog):
     assert cold.cache_info().planning_s > 0
     assert len(list(tmp_path.glob("*.json"))) == 1
     warm = _cached_step(tmp_path)
-    with caplog.at_level(logging.INFO, logger="jaxmem.cache"):
+    with caplog.at_level(logging.INFO, logger="jaxmem.verify.cache"):
         assert _same(warm(params, x), expected)
     info = warm.cache_info()
     assert (info.plans, info.disk_hits, info.compiles, info.planning_s) == (0, 1, 1, 0.0)
@@ -164,7 +165,7 @@ def test_a_truncated_entry_is_ignored_and_rebuilt(tmp_path, monkeypatch, caplog)
     (entry,) = tmp_path.glob("*.json")
     entry.write_text(entry.read_text()[: len(entry.read_text()) // 2])
     step = _cached_step(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="jaxmem.cache"):
+    with caplog.at_level(logging.WARNING, logger="jaxmem.verify.cache"):
         step(params, x)
     assert "ignoring corrupt or stale entry" in caplog.text
     assert step.cache_info().plans >= 1 and step.cache_info().disk_hits == 0

@@ -19,10 +19,12 @@ import pytest
 
 import jaxmem.models as zoo
 import jaxmem.planners as registry
-from jaxmem import emit as emit_lib, plan as plan_lib
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import build_graph
-from jaxmem.planners import order, qlearn, sublinear
+from jaxmem import emit as emit_lib
+from jaxmem.analysis.graph import build_graph
+from jaxmem.cost.costmodel import CostModel
+from jaxmem.planners import _shared as shared
+from jaxmem.planners.literature import order, qlearn
+from jaxmem.plans import plan as plan_lib
 
 LITERATURE = ("sublinear", "chen", "vdnn_all", "vdnn_conv", "vdnn_dynamic", "qlearn",
               "order_ilp", "order_bfs", "order_dfs")
@@ -151,8 +153,8 @@ def test_sublinear_stops_at_its_time_limit_with_the_best_plan_so_far(mlp_graph):
 
 
 def test_chen_uses_sqrt_n_segments(mlp_graph):
-    res = sublinear.find_residuals(mlp_graph)
-    prof = sublinear.profile(mlp_graph, res, COST)
+    res = shared.find_residuals(mlp_graph)
+    prof = shared.profile(mlp_graph, res, COST)
     n = len(prof.candidates)
     plan = _run("chen", mlp_graph, 1 << 30)
     stride = int(np.ceil(n / np.ceil(np.sqrt(n))))
@@ -165,8 +167,8 @@ def test_chen_uses_sqrt_n_segments(mlp_graph):
 
 
 def test_remat_points_recompute_a_segment_before_its_first_backward_use(mlp_graph):
-    res = sublinear.find_residuals(mlp_graph)
-    remat, _ = sublinear.remat_points(mlp_graph, res, res.tensors[1:3])
+    res = shared.find_residuals(mlp_graph)
+    remat, _ = shared.remat_points(mlp_graph, res, res.tensors[1:3])
     assert set(res.tensors[1:3]) <= set(remat)
     for t, (at,) in remat.items():
         if t in res.first_backward:
@@ -189,7 +191,7 @@ def _softmax_graph():
 @pytest.mark.parametrize("fused", [False, True])
 def test_segments_read_summation_fused_values_only_from_the_graphs_buffers(fused):
     """A softmax's exp is fused in the graph's model but a buffer to the emitter
-    (a reduction and the division share it, see ``jaxmem.view.REDUCTIONS``).
+    (a reduction and the division share it, see ``jaxmem.plans.view.REDUCTIONS``).
 
     Segments of the graph's buffers read it where the forward pass left it;
     segments of fused values (``fused=True``) re-issue ops that read only kept
@@ -200,10 +202,10 @@ def test_segments_read_summation_fused_values_only_from_the_graphs_buffers(fused
     v = plan_lib.view(g)
     fused_buffers = {x.id for x in g.tensors if v.materialized[x.id] and not x.materialized}
     assert fused_buffers  # the case exists
-    res = sublinear.find_residuals(g, fused=fused)
-    prof = sublinear.profile(g, res, COST)
+    res = shared.find_residuals(g, fused=fused)
+    prof = shared.profile(g, res, COST)
     keep = frozenset(prof.forced.union(*(prof.cuts[i][1] for i in prof.candidates)))
-    remat, _ = sublinear.remat_points(g, res, [t for t in res.tensors if t not in keep],
+    remat, _ = shared.remat_points(g, res, [t for t in res.tensors if t not in keep],
                                       keep=keep)
     plan = plan_lib.unplanned(g).replace(remat=remat)
     reads = {r for ev in plan_lib.build_schedule(g, plan).events if ev.kind == "remat"
@@ -252,7 +254,7 @@ def test_fused_segments_are_exact_on_32_bit_steps_and_close_on_16_bit_ones(
     zs = zoo.build(model, "tiny", step="grad", dropout=0.0)
     g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,
                     arg_roles=zs.arg_roles, target="cpu")
-    assert sublinear.fused_segments_are_exact(g) == exact_when_fused
+    assert shared.fused_segments_are_exact(g) == exact_when_fused
     budget = int(0.5 * _peak(g))
     cpu = CostModel.for_target("cpu")
     inputs = zs.make_args(seed=0)
@@ -278,9 +280,9 @@ def test_fused_segments_recompute_statistics_and_constants():
     g = _softmax_graph()
     forced = {}
     for fused in (False, True):
-        res = sublinear.find_residuals(g, fused=fused)
-        forced[fused] = sublinear.profile(g, res, COST, small_fraction=0.5).forced
-    stats = forced[False] & sublinear.statistics(g)
+        res = shared.find_residuals(g, fused=fused)
+        forced[fused] = shared.profile(g, res, COST, small_fraction=0.5).forced
+    stats = forced[False] & shared.statistics(g)
     assert stats and not stats & forced[True]
 
 
@@ -297,7 +299,7 @@ def test_vdnn_conv_offloads_only_convolution_inputs(conv_graph, mlp_graph):
 
 def test_vdnn_prefetches_one_layer_ahead(mlp_graph):
     plan = _run("vdnn_all", mlp_graph, 1 << 30)
-    res = sublinear.find_residuals(mlp_graph)
+    res = shared.find_residuals(mlp_graph)
     assert set(plan.offload) == {t for t in res.tensors if mlp_graph.tensors[t].bytes}
     for t, at in plan.offload.items():
         assert res.pos[at] <= res.pos[res.first_backward[t]]
@@ -416,7 +418,7 @@ def test_order_ilp_falls_back_with_a_log_line_at_its_time_limit(caplog):
     # Proving the optimum of this 95-op step takes CP-SAT about 15 s on one core here.
     ws = [jnp.full((64, 64), 0.01, jnp.float32) for _ in range(10)]
     graph = build_graph(jax.value_and_grad(_mlp_loss), ws, jnp.ones((256, 64), jnp.float32))
-    with caplog.at_level(logging.INFO, logger="jaxmem.planners.order"):
+    with caplog.at_level(logging.INFO, logger="jaxmem.planners.literature.order"):
         plan = _run("order_ilp", graph, 1 << 30, time_limit_s=0.1)
     assert plan.status.startswith("fallback: CP-SAT hit its time limit")
     assert any("fell back to the BFS and DFS list schedulers" in r.getMessage()
@@ -438,7 +440,7 @@ def test_small_gains_keep_the_program_order():
 
 
 def test_order_ilp_falls_back_when_too_large(mlp_graph, caplog):
-    with caplog.at_level(logging.INFO, logger="jaxmem.planners.order"):
+    with caplog.at_level(logging.INFO, logger="jaxmem.planners.literature.order"):
         plan = _run("order_ilp", mlp_graph, 1 << 30, max_size=100)
     assert plan.status.startswith("fallback: the ILP would have")
     assert plan.lower_bound is None
@@ -520,8 +522,8 @@ def vgg_graph():
     """The zoo's tiny vgg16 train step on h100: max pools, so in-place pairs of unequal size."""
     import jaxmem.models as zoo
     from jaxmem import targets
-    from jaxmem.graph import analyse
-    from jaxmem.trace import trace
+    from jaxmem.analysis.graph import analyse
+    from jaxmem.tracing.trace import trace
 
     z = zoo.build("vgg16", "tiny", step="train")
     return analyse(trace(z.fn, *targets.get("h100").place(z.args),

@@ -15,10 +15,11 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxmem
-from jaxmem import _compat, hlo
-from jaxmem.costmodel import CostModel
-from jaxmem.hlo import ModuleCost, OpCost
-from jaxmem.measure import Report, measure
+from jaxmem import _compat
+from jaxmem.cost import hlo
+from jaxmem.cost.costmodel import CostModel
+from jaxmem.cost.hlo import ModuleCost, OpCost
+from jaxmem.cost.measure import Report, measure
 
 S = jax.ShapeDtypeStruct
 F32 = jnp.float32
@@ -264,7 +265,7 @@ def test_nested_loops_multiply_and_host_copies_are_counted():
 
 def test_unknown_trip_count_is_counted_once_and_reported(caplog):
     text = _LOOPS.replace(', backend_config={"known_trip_count":{"n":"%TRIPS%"}}', "")
-    with caplog.at_level(logging.WARNING, logger="jaxmem.hlo"):
+    with caplog.at_level(logging.WARNING, logger="jaxmem.cost.hlo"):
         cost = hlo.analyze(text)
     assert cost.unknown_trip_counts == 1
     assert cost.matmul_flops == 3 * 2 * 8 * 8 * 8
@@ -290,7 +291,7 @@ ENTRY %e (a: f32[4,4], k: f32[1,1]) -> f32[4,4] {
   ROOT %y = f32[4,4]{1,0} add(%c, %a)
 }
 """
-    with caplog.at_level(logging.WARNING, logger="jaxmem.hlo"):
+    with caplog.at_level(logging.WARNING, logger="jaxmem.cost.hlo"):
         cost = hlo.analyze(text)
     assert cost.unpriced == ("c",)
     assert cost.flops == 16  # the add is still priced

@@ -15,10 +15,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxmem
 from bench.random_exactness import random_program
-from jaxmem import emit, plan as plan_lib
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import build_graph
+from jaxmem import emit
+from jaxmem.analysis.graph import build_graph
+from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners import _registry as registry, planners
+from jaxmem.plans import plan as plan_lib
 
 CPU = CostModel.for_target("cpu")
 # x * mean(x, 0) between two matmuls: greedy re-issued the product at the plain step's

@@ -256,9 +256,9 @@ def test_mlp_bench_offload_only_fits_200_mib_on_h100():
 
 def _simulated_plain_bytes(params, x):
     """The simulator's peak of the plain gradient step on the cpu target."""
-    from jaxmem import plan as plan_lib
+    from jaxmem.plans import plan as plan_lib
 
-    graph = jaxmem.graph.build_graph(jax.grad(_mlp_loss), params, x, target="cpu")
+    graph = jaxmem.analysis.graph.build_graph(jax.grad(_mlp_loss), params, x, target="cpu")
     return plan_lib.simulate_plan(graph, plan_lib.unplanned(graph)).peak_bytes
 
 
@@ -276,7 +276,7 @@ def test_the_step_as_written_is_compiled_last_when_every_plan_is_over(monkeypatc
 
     from jaxmem.planners import _registry, greedy
 
-    verify_lib = sys.modules["jaxmem.verify"]
+    verify_lib = sys.modules["jaxmem.verify.loop"]
     real, calls = verify_lib.device_bytes, []
 
     def charged(compiled):
@@ -307,7 +307,7 @@ def test_on_the_cpu_a_step_that_compiles_within_the_budget_is_kept_as_written(ca
     params, x = _mlp_args()
     import sys
 
-    device_bytes = sys.modules["jaxmem.verify"].device_bytes
+    device_bytes = sys.modules["jaxmem.verify.loop"].device_bytes
     plain, simulated = _plain_cpu_bytes(device_bytes, params, x), _simulated_plain_bytes(params, x)
     if simulated <= plain:
         pytest.skip(f"the simulator does not over-predict this step ({simulated} <= {plain} B)")
@@ -334,7 +334,7 @@ def _charge(monkeypatch, charge):
     turned off."""
     import sys
 
-    verify_lib = sys.modules["jaxmem.verify"]
+    verify_lib = sys.modules["jaxmem.verify.loop"]
     monkeypatch.setattr(verify_lib, "_PLAIN_FIRST_PLATFORMS", ())
     real, calls = verify_lib.device_bytes, []
 
@@ -363,8 +363,8 @@ def _use_planner(monkeypatch, name, fn):
 def _remat_all_or_nothing(g, budget, cost_model, name):
     """A plan that re-issues everything, with the unplanned step (its simulated peak
     set) as its one alternative."""
-    from jaxmem import plan as plan_lib
     from jaxmem.planners import greedy
+    from jaxmem.plans import plan as plan_lib
 
     nothing = plan_lib.unplanned(g)
     nothing = nothing.replace(notes=("alternative: nothing re-issued",),
@@ -376,7 +376,7 @@ def _remat_all_or_nothing(g, budget, cost_model, name):
 def test_time_limit_s_bounds_the_planning_of_all_rounds_together(monkeypatch):
     """Each round's planner call gets its share of ``time_limit_s`` (half for the first,
     the rest shared by the re-plans), so the loop plans for ``time_limit_s`` at most."""
-    from jaxmem import plan as plan_lib
+    from jaxmem.plans import plan as plan_lib
 
     limits = []
 
@@ -408,10 +408,10 @@ def test_re_plans_get_what_the_rounds_before_them_left(monkeypatch):
     import sys
     import types
 
-    from jaxmem import plan as plan_lib
     from jaxmem.planners import greedy
+    from jaxmem.plans import plan as plan_lib
 
-    verify_lib = sys.modules["jaxmem.verify"]
+    verify_lib = sys.modules["jaxmem.verify.loop"]
     clock = [0.0]
     monkeypatch.setattr(verify_lib, "time", types.SimpleNamespace(
         perf_counter=lambda: clock[0]))
@@ -445,7 +445,7 @@ def test_alternatives_are_compiled_and_the_fastest_fitting_plan_is_kept(monkeypa
     that re-issues nothing as its alternative: both fit a generous budget, and the
     compiled step without re-issues is the faster one.
     """
-    from jaxmem import plan as plan_lib
+    from jaxmem.plans import plan as plan_lib
 
     _use_planner(monkeypatch, "prefers_remat",
                  lambda g, budget, cost_model, options: _remat_all_or_nothing(
@@ -464,7 +464,7 @@ def test_alternatives_are_compiled_and_the_fastest_fitting_plan_is_kept(monkeypa
 
 def test_a_planners_fallback_survives_verification_in_the_notes(monkeypatch):
     """The verified plan's status says whether it fits; the planner's "fallback: ..." stays."""
-    from jaxmem import plan as plan_lib
+    from jaxmem.plans import plan as plan_lib
 
     def falls_back(g, budget, cost_model, options):
         plan = plan_lib.unplanned(g).replace(planner="falls_back", budget_bytes=budget)
@@ -513,8 +513,8 @@ def _fast_misses_slow_fits(g, budget, cost_model, name, count):
     """The step with the first ``count`` re-issues of greedy's everything-re-issued
     plan, estimated at 1 s, with that plan (2 s) as its one alternative; and the number
     of re-issues in the alternative."""
-    from jaxmem import plan as plan_lib
     from jaxmem.planners import greedy
+    from jaxmem.plans import plan as plan_lib
 
     every = greedy.split_every(g, cost_model, "remat")
     slow = every.replace(predicted_peak_bytes=plan_lib.simulate_plan(g, every).peak_bytes,
@@ -612,8 +612,8 @@ def test_offloads_that_compile_far_over_the_simulation_are_dropped_in_later_roun
     a budget of ten times the unplanned step)."""
     import logging
 
-    from jaxmem import plan as plan_lib
     from jaxmem.planners import greedy
+    from jaxmem.plans import plan as plan_lib
 
     seen = []
     real = _charge(monkeypatch, lambda n, dev: budget + 1000 if len(seen) == 1 else dev)
@@ -630,7 +630,7 @@ def test_offloads_that_compile_far_over_the_simulation_are_dropped_in_later_roun
     budget = 10 * _plain_cpu_bytes(real, params, x)
     step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
         budget=budget, target="cpu", planner="greedy", verify_rounds=2, on_over_budget="warn"))
-    with caplog.at_level(logging.INFO, logger="jaxmem.verify"):
+    with caplog.at_level(logging.INFO, logger="jaxmem.verify.loop"):
         verified = step.verified(params, x)
     assert seen == [True, False]
     assert verified.rounds[0].plan.offload and not verified.rounds[1].plan.offload

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import jaxmem.models as zoo
-from jaxmem import emit, placement, plan as plan_lib, targets
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import analyse
+from jaxmem import emit, targets
+from jaxmem.analysis.graph import analyse
+from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners import greedy
-from jaxmem.trace import trace
+from jaxmem.plans import placement, plan as plan_lib
+from jaxmem.tracing.trace import trace
 
 
 def _leaves_equal(a, b) -> bool:

@@ -17,8 +17,9 @@ import jax
 import pytest
 
 import corpus
-from jaxmem import emit, plan as plan_lib
-from jaxmem.graph import build_graph
+from jaxmem import emit
+from jaxmem.analysis.graph import build_graph
+from jaxmem.plans import plan as plan_lib
 
 
 def _step(name):

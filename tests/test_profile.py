@@ -13,11 +13,12 @@ import pytest
 from test_optimize import _mlp_args, _same
 
 import jaxmem
-from jaxmem import models, profile
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import build_graph
-from jaxmem.plan import unplanned
-from jaxmem.planners.sublinear import estimate_time_s
+from jaxmem import models
+from jaxmem.analysis.graph import build_graph
+from jaxmem.cost import profile
+from jaxmem.cost.costmodel import CostModel
+from jaxmem.planners._shared import estimate_time_s
+from jaxmem.plans.plan import unplanned
 
 US = 1e-6
 
@@ -177,7 +178,8 @@ def test_greedy_recomputes_or_offloads_as_the_table_prices_ops():
     g = build_graph(jax.grad(chain), [jnp.full((64, 64), 0.01)] * 6, jnp.ones((512, 64)),
                     target="h100")
     roofline = CostModel.for_target("h100")
-    budget = int(0.7 * jaxmem.plan.simulate_plan(g, unplanned(g, budget_bytes=1 << 30)).peak_bytes)
+    plain = unplanned(g, budget_bytes=1 << 30)
+    budget = int(0.7 * jaxmem.plans.plan.simulate_plan(g, plain).peak_bytes)
 
     def plan_with(seconds):
         return plan_greedy(g, budget, roofline.with_op_times(_table(g, [seconds] * len(g.ops)), g),
@@ -222,7 +224,7 @@ def test_a_failed_profile_is_reported_and_the_roofline_used(monkeypatch, caplog)
     params, x = _args()
     step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
         budget="1GiB", target="cpu", op_times="profile"))
-    with caplog.at_level(logging.WARNING, logger="jaxmem.profile"):
+    with caplog.at_level(logging.WARNING, logger="jaxmem.cost.profile"):
         plan = step.plan(params, x)
     assert any("RESOURCE_EXHAUSTED" in n and "roofline" in n for n in plan.notes)
     assert "trial run failed" in caplog.text

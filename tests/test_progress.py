@@ -9,12 +9,12 @@ import re
 import jax
 import jax.numpy as jnp
 
-from jaxmem import plan as plan_lib
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import build_graph
+from jaxmem.analysis.graph import build_graph
+from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners import _cpsat_model
 from jaxmem.planners.coarsen import coarsen
 from jaxmem.planners.cpsat import plan_cpsat
+from jaxmem.plans import plan as plan_lib
 
 H100 = CostModel.for_target("h100")
 PROGRESS = "jaxmem.planners._cpsat_progress"

@@ -26,12 +26,13 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxmem
-from jaxmem import emit, plan as plan_lib
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import analyse, build_graph
+from jaxmem import emit
+from jaxmem.analysis.graph import analyse, build_graph
+from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners import greedy
-from jaxmem.schedule import simulate_plan
-from jaxmem.trace import trace
+from jaxmem.plans import plan as plan_lib
+from jaxmem.plans.schedule import simulate_plan
+from jaxmem.tracing.trace import trace
 
 _cp = jax.checkpoint_policies
 POLICIES = {

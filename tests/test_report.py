@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import pytest
 
 import jaxmem
-from jaxmem import emit as emit_lib, plan as plan_lib, report, targets
-from jaxmem.graph import build_graph
-from jaxmem.verify import device_bytes
+from jaxmem import emit as emit_lib, targets
+from jaxmem.analysis.graph import build_graph
+from jaxmem.plans import plan as plan_lib, report
+from jaxmem.verify.loop import device_bytes
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -18,12 +18,16 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxmem.models as zoo
-from jaxmem import measure, policy, scan, scanplan, targets
-from jaxmem.blocks import planned_policy, remat
-from jaxmem.graph import analyse
+from jaxmem import targets
+from jaxmem.analysis import scan
+from jaxmem.analysis.graph import analyse
+from jaxmem.cost import measure
 from jaxmem.models import gpt2
 from jaxmem.models._layers import next_token_loss, token_batch
-from jaxmem.trace import trace
+from jaxmem.planners import scanplan
+from jaxmem.tracing import policy
+from jaxmem.tracing.blocks import planned_policy, remat
+from jaxmem.tracing.trace import trace
 
 QKV = ("query_proj", "key_proj", "value_proj")
 
@@ -361,7 +365,7 @@ def test_plan_blocks_plans_unrolled_blocks_once_for_all():
 
 
 def test_plan_carries_block_decisions_through_json_and_to_policy():
-    from jaxmem import plan as plan_lib
+    from jaxmem.plans import plan as plan_lib
 
     plan = plan_lib.Plan(order=(), remat={}, offload={}, placement={}, planner="x",
                          budget_bytes=0, predicted_peak_bytes=0, predicted_time_s=None,

@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem import plan as plan_lib, sharding as sharding_lib
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import analyse
+from jaxmem.analysis import sharding as sharding_lib
+from jaxmem.analysis.graph import analyse
+from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners import greedy
-from jaxmem.trace import trace
+from jaxmem.plans import plan as plan_lib
+from jaxmem.tracing.trace import trace
 
 DEVICES = 4
 PLANS = ("remat", "offload", "greedy", "placed")

@@ -7,8 +7,14 @@ import jax.numpy as jnp
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxmem.graph import build_graph
-from jaxmem.simulate import Step, donation_aliases, simulate, simulate_steps, steps_for_order
+from jaxmem.analysis.graph import build_graph
+from jaxmem.analysis.simulate import (
+    Step,
+    donation_aliases,
+    simulate,
+    simulate_steps,
+    steps_for_order,
+)
 
 N = 64
 T = N * N * 4  # bytes of one f32[64, 64]
@@ -202,7 +208,7 @@ def test_allocator_shows_fragmentation():
 def test_explain_names_the_tensors_at_the_peak():
     import flax.linen as nn
 
-    from jaxmem.explain import explain
+    from jaxmem.analysis.explain import explain
 
     class Mlp(nn.Module):
         @nn.compact
@@ -233,7 +239,7 @@ def test_explain_names_the_tensors_at_the_peak():
 
 
 def test_predict_peak_bytes_matches_the_simulation():
-    from jaxmem.simulate import predict_peak_bytes
+    from jaxmem.analysis.simulate import predict_peak_bytes
 
     def chain(x, w):
         return ((x @ w) @ w) @ w
@@ -246,7 +252,7 @@ def test_predict_peak_bytes_matches_the_simulation():
 
 
 def test_xla_accounting_rewrites_any_liveness_schedule():
-    from jaxmem.simulate import xla_accounting
+    from jaxmem.analysis.simulate import xla_accounting
 
     g = build_graph(lambda x, w: ((x @ w) @ w) @ w, *_xw(), donate_argnums=(0,))
     live = steps_for_order(g, accounting="liveness")
@@ -257,7 +263,7 @@ def test_xla_accounting_rewrites_any_liveness_schedule():
 @pytest.mark.parametrize("name,policy", [("mlp", "none"), ("gpt2", "full")])
 def test_prediction_is_within_ten_percent_of_the_compiled_step(name, policy):
     import jaxmem.models as zoo
-    from jaxmem.calibrate import compare
+    from jaxmem.cost.calibrate import compare
 
     zs = zoo.build(name, "tiny", policy=policy)
     try:
@@ -288,9 +294,10 @@ def test_unplanned_plan_simulates_like_the_graph_with_pool_companions(name):
     path, so every planner saw vgg16 at bench size 28% smaller than it compiles.
     """
     import jaxmem.models as zoo
-    from jaxmem import plan as plan_lib, targets
-    from jaxmem.graph import analyse
-    from jaxmem.trace import trace
+    from jaxmem import targets
+    from jaxmem.analysis.graph import analyse
+    from jaxmem.plans import plan as plan_lib
+    from jaxmem.tracing.trace import trace
 
     z = zoo.build(name, "tiny", step="train")
     g = analyse(trace(z.fn, *targets.get("h100").place(z.args), donate_argnums=z.donate_argnums,

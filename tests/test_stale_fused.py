@@ -20,10 +20,11 @@ import pytest
 
 import jaxmem.models as zoo
 import jaxmem.planners as registry
-from jaxmem import emit as emit_lib, schedule, targets
-from jaxmem.costmodel import CostModel
-from jaxmem.graph import build_graph
-from jaxmem.measure import report
+from jaxmem import emit as emit_lib, targets
+from jaxmem.analysis.graph import build_graph
+from jaxmem.cost.costmodel import CostModel
+from jaxmem.cost.measure import report
+from jaxmem.plans import schedule
 
 
 def _gelu_mlp_loss(ws, x):

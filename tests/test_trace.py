@@ -10,7 +10,7 @@ import optax
 import pytest
 from jax.extend import core as jcore
 
-from jaxmem.trace import INLINED_PRIMITIVES, UnsupportedConstructError, infer_role, trace
+from jaxmem.tracing.trace import INLINED_PRIMITIVES, UnsupportedConstructError, infer_role, trace
 
 
 @jax.custom_jvp

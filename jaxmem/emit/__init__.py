@@ -1,4 +1,4 @@
-"""The emitter: turn a traced step and a :class:`~jaxmem.plan.Plan` into a step XLA compiles.
+"""The emitter: turn a traced step and a :class:`~jaxmem.plans.plan.Plan` into a step XLA compiles.
 
 The flat jaxpr of the step is re-interpreted equation by equation, in the
 plan's order, each primitive re-bound with its own parameters under its source
@@ -29,7 +29,7 @@ dependencies through ``jax.lax.optimization_barrier``:
   passed in device memory keeps its update on the device (JAX would alias the
   device buffer to a host output, which PjRt refuses);
 * **host update**: the equations of the update that read inputs in the plan's
-  ``host_update`` (:func:`jaxmem.placement.host_update_group`) run as one
+  ``host_update`` (:func:`jaxmem.plans.placement.host_update_group`) run as one
   ``jax.jit`` under ``compute_on("device_host")``, issued where the device
   first needs one of its results (or at the end). The device values it reads
   go to host with ``jax.device_put(x, Space.Host)``, reshaped to 1-D first
@@ -68,7 +68,7 @@ unchanged; the emitted function is not jitted: :func:`jaxmem.optimize` jits it
 with the step's static and donated arguments.
 
 >>> import jax, jax.numpy as jnp
->>> from jaxmem import trace
+>>> from jaxmem.tracing import trace
 >>> prog = trace.trace(lambda w, x: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w),
 ...                    jnp.ones((4, 4)), jnp.ones((2, 4)))
 >>> step = emit(prog)           # no plan: the program as traced
@@ -82,7 +82,6 @@ from typing import Any, Callable, Literal
 
 import jax
 
-from jaxmem import placement as placement_lib, plan as plan_lib
 from jaxmem.emit.bind import bind_equation as bind_equation
 from jaxmem.emit.interpreter import _Interpreter
 from jaxmem.emit.pins import (
@@ -91,7 +90,8 @@ from jaxmem.emit.pins import (
     _pin_ops,
     _tail_ops,
 )
-from jaxmem.placement import placed_outputs
+from jaxmem.plans import placement as placement_lib, plan as plan_lib
+from jaxmem.plans.placement import placed_outputs
 
 PinMode = Literal["auto", "none", "sinks"]
 PIN_MODES: tuple[str, ...] = ("auto", "none", "sinks")
@@ -124,7 +124,7 @@ def emit(graph_or_program: Any, plan: plan_lib.Plan | None = None, *,
     Returns:
       ``step(*args, **kwargs)`` taking the traced step's dynamic arguments and
       returning its outputs with the same pytree. ``step.schedule`` is the
-      :class:`~jaxmem.plan.Schedule` it executes.
+      :class:`~jaxmem.plans.plan.Schedule` it executes.
 
     Raises:
       ValueError: for a plan that does not fit the program (placement of a

@@ -41,7 +41,7 @@ def _call_parameter(x: Any) -> Any:
     The plain step computes some constants outside a ``jit``/``closed_call`` and
     reads them inside (a cotangent's ones), or the other way round; XLA's early
     simplification does not see through the call, and its call inliner removes the
-    call before the passes that follow (:attr:`jaxmem.trace.Program.hidden_constants`).
+    call before the passes that follow (:attr:`jaxmem.tracing.trace.Program.hidden_constants`).
     """
     return jax.lax.copy_p.bind(x)
 

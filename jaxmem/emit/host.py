@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 
-from jaxmem import _compat, plan as plan_lib
+from jaxmem import _compat
+from jaxmem.plans import plan as plan_lib
 
 if TYPE_CHECKING:  # (the interpreter imports this module)
     from jaxmem.emit.interpreter import _Interpreter

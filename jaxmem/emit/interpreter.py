@@ -1,4 +1,4 @@
-"""The interpreter that executes a :class:`~jaxmem.plan.Schedule` on traced values: the
+"""The interpreter that executes a :class:`~jaxmem.plans.plan.Schedule` on traced values: the
 program's equations in the plan's order, with its re-issues, host copies and the barriers
 that keep XLA from undoing them (see :mod:`jaxmem.emit`)."""
 
@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import jax
 from jax.extend import core as jcore
 
-from jaxmem import _compat, plan as plan_lib
+from jaxmem import _compat
 from jaxmem.emit.bind import (
     _barrier,
     _call_parameter,
@@ -22,7 +22,8 @@ from jaxmem.emit.bind import (
 )
 from jaxmem.emit.host import _HostUpdate
 from jaxmem.emit.rules import _FusionRules
-from jaxmem.trace import value_avals
+from jaxmem.plans import plan as plan_lib
+from jaxmem.tracing.trace import value_avals
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ _DONATED_ON_DEVICE = (
     "with memory_kind='pinned_host'), or do not donate them.")
 
 class _Interpreter(_FusionRules):
-    """Executes a :class:`~jaxmem.plan.Schedule` on traced values (one call per trace)."""
+    """Executes a :class:`~jaxmem.plans.plan.Schedule` on traced values (one call per trace)."""
 
     def __init__(self, program: Any, schedule: plan_lib.Schedule, pins: frozenset[int],
                  sink: frozenset[int], scope_starts: dict[int, int],
@@ -69,7 +70,7 @@ class _Interpreter(_FusionRules):
         self.avals = value_avals(program)
         self.nbytes = [_compat.aval_bytes(a) for a in self.avals]
         # Versions the events of each checkpoint scope read from outside it, and the
-        # literals its barrier takes (jaxmem.trace.Program.remat_literals).
+        # literals its barrier takes (jaxmem.tracing.trace.Program.remat_literals).
         self.scope_inputs = self._scope_inputs()
         self.scope_literals = dict(enumerate(getattr(program, "remat_literals", ()) or ()))
         # Equation inputs that read a constant through a call parameter in the plain step.
@@ -80,7 +81,7 @@ class _Interpreter(_FusionRules):
         """Event index -> forward buffers read through the barrier at that event.
 
         A forward buffer whose last reader is a convolution's weight gradient (a
-        backward op off the main chain, :func:`jaxmem.plan.branch_ops`) dies when
+        backward op off the main chain, :func:`jaxmem.plans.plan.branch_ops`) dies when
         that op runs, and XLA's GPU scheduler runs such ops late (VGG-16 under
         ``blocks save=dots``: each stage's input, kept, waited with its masked
         gradient for the first convolution's weight gradient until the end of the

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxmem import plan as plan_lib
+from jaxmem.plans import plan as plan_lib
 
 LAYOUT_PRIMITIVES = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim",
                                "convert_element_type", "copy", "copy_p"})

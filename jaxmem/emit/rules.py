@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxmem import materialize as mat, plan as plan_lib
+from jaxmem.analysis import materialize as mat
 from jaxmem.emit.bind import (
     _transparent,
 )
@@ -14,6 +14,7 @@ from jaxmem.emit.pins import (
     _LAYOUT_FOLDING,
     LAYOUT_PRIMITIVES,
 )
+from jaxmem.plans import plan as plan_lib
 
 
 class _FusionRules:

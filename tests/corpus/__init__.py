@@ -93,8 +93,8 @@ def reference(name: str) -> tuple[Any, Any, tuple[int, ...], Any, dict[str, int]
     bytes by :data:`BUDGETS` label."""
     import jax
 
-    from jaxmem import plan as plan_lib
-    from jaxmem.graph import build_graph
+    from jaxmem.analysis.graph import build_graph
+    from jaxmem.plans import plan as plan_lib
 
     step_fn, args, donate = steps()[name]()
     expected = jax.jit(step_fn)(*args)
@@ -109,7 +109,7 @@ def lowest_peak(graph: Any, planner: str) -> int:
     """The simulated peak of ``planner``'s plan for ``graph`` at a budget of 1 byte."""
     import jaxmem
     from jaxmem import planners
-    from jaxmem.costmodel import CostModel
+    from jaxmem.cost.costmodel import CostModel
 
     options = jaxmem.Config(target=TARGET, planner=planner).planner_options()
     plan = planners.get(planner).fn(graph, 1, CostModel.for_target(TARGET), options)
@@ -163,7 +163,7 @@ def run_case(name: str, planner: str, budget: str, time_limit_s: float = TIME_LI
 
     import jaxmem
     from jaxmem import emit
-    from jaxmem.trace import UnsupportedConstructError
+    from jaxmem.tracing.trace import UnsupportedConstructError
 
     started = time.perf_counter()
     plan = None

@@ -1,0 +1,554 @@
+"""The verify loop of :func:`jaxmem.optimize`: plan, emit, compile for the target, check the
+compiled device bytes against the budget, and re-plan under a tightened budget while they
+miss it (``Config.verify_rounds`` rounds sharing ``Config.time_limit_s``); the plan cache's
+keys and checks; the lowest budget the arguments alone allow.
+
+The compiled device bytes are XLA's buffer assignment (``memory_analysis()``): temp +
+arguments + outputs - aliased (:func:`device_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+from jaxmem import emit as emit_lib, level as level_lib, targets as targets_lib
+from jaxmem.config import Config
+from jaxmem.cost.profile import planning_cost_model
+from jaxmem.errors import InfeasibleBudgetError
+from jaxmem.plans import plan as plan_lib
+from jaxmem.units import format_bytes
+from jaxmem.verify import cache as cache_lib
+
+logger = logging.getLogger(__name__)
+
+# A plan whose offloads compile this share over its simulated peak makes the verify
+# loop plan its later rounds without offloads (planners that honour allow_offload).
+_OFFLOAD_MISS = 0.25
+# Platforms whose compile of the step as written is tried before any plan when the simulator
+# puts it over the budget (the CPU: a compile costs little there, and XLA:CPU's buffer
+# assignment often keeps a step within a budget the simulator says it misses).
+_PLAIN_FIRST_PLATFORMS: tuple[str, ...] = ("cpu",)
+# A re-plan is not started with less than this much of Config.time_limit_s left.
+_MIN_REPLAN_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """One plan-compile-check round of the verify loop."""
+
+    planner_budget_bytes: int
+    plan: plan_lib.Plan
+    compiled_bytes: int
+    host_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    """What the verify loop settled on for one signature of a step
+    (see :meth:`jaxmem.optimize.Optimized.verified`).
+
+    Attributes:
+      target: where the step was compiled.
+      plan: the verified plan (it carries ``graph``), or ``None`` when the step
+        runs unplanned.
+      graph: the traced step's ``MemGraph`` (``None`` when it runs unplanned).
+      rounds: every plan-compile-check round (compiled device and host bytes).
+      fallback: why the step runs unplanned (``"level 0"`` or the unsupported
+        construct), else ``None``.
+    """
+
+    target: targets_lib.Target
+    plan: plan_lib.Plan | None
+    graph: Any
+    rounds: tuple[Round, ...]
+    fallback: str | None
+
+
+def device_bytes(compiled: jax.stages.Compiled) -> tuple[int, int]:
+    """Device and host bytes of a compiled step: temp + arguments + outputs - aliased."""
+    m = compiled.memory_analysis()
+    if m is None:
+        raise RuntimeError("XLA gave no memory analysis for the compiled step; jaxmem needs it "
+                           "to verify plans")
+    device = (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+              - m.alias_size_in_bytes)
+    host = (m.host_temp_size_in_bytes + m.host_argument_size_in_bytes
+            + m.host_output_size_in_bytes - m.host_alias_size_in_bytes)
+    return int(device), int(host)
+
+
+def compile_plan(graph: Any, plan: plan_lib.Plan, target: targets_lib.Target,
+                 abstract_args: Sequence[Any], donate_argnums: tuple[int, ...],
+                 counters: dict[str, float]) -> tuple[Any, jax.stages.Compiled, int, int]:
+    """Emit ``plan`` and compile it for ``target``: the jitted step, its compiled form and
+    its device and host bytes; counts the compile in ``counters``."""
+    jitted = jax.jit(emit_lib.emit(graph, plan), donate_argnums=donate_argnums)
+    compiled = jitted.lower(*abstract_args).compile(compiler_options=target.compiler_options)
+    counters["compiles"] = counters.get("compiles", 0) + 1
+    dev, host = device_bytes(compiled)
+    return jitted, compiled, dev, host
+
+
+def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args: Sequence[Any],
+           donate_argnums: tuple[int, ...], counters: dict[str, float] | None = None,
+           plain_first: bool = False, cost_model: Any = None, cost_notes: Sequence[str] = (),
+           costs: Callable[[], tuple[Any, Sequence[str]]] | None = None,
+           arg_labels: Sequence[int | str] | None = None
+           ) -> tuple[plan_lib.Plan, Any, jax.stages.Compiled, tuple[Round, ...]]:
+    """Plan, emit and compile until the compiled step fits the budget.
+
+    Args:
+      graph: the step's ``MemGraph``.
+      config: budget, planner and options.
+      target: where to compile.
+      abstract_args: the step's dynamic arguments as ``ShapeDtypeStruct``s
+        placed on the target.
+      donate_argnums: donated positions among them.
+      counters: optional ``{"plans": n, "compiles": n, "planning_s": s}`` to add to
+        (planner calls, compiles, and the wall time of the planner calls).
+      plain_first: compile the step as written first and keep it if it fits
+        (used when the blocks' decision table was already verified by compiling).
+      cost_model: the planners' :class:`~jaxmem.cost.costmodel.CostModel`, with
+        ``cost_notes`` saying how its op times were found
+        (:func:`jaxmem.cost.profile.planning_cost_model`); by default made here from
+        ``config.op_times`` (a profile then runs on zeros of ``abstract_args``'
+        shapes on JAX's default device).
+      costs: instead of ``cost_model`` and ``cost_notes``, a function that makes
+        them. Either way they are made (a profile run) only when a planner runs:
+        not when ``plain_first``'s step as written fits.
+      arg_labels: how the user names each of ``abstract_args`` (a position or a
+        keyword), for the error that suggests donating them.
+
+    On the CPU target, when the simulator puts the step as written over the
+    budget, it is compiled first and kept if it fits: XLA:CPU can keep it
+    within a budget the simulator says it misses, and then no plan is needed.
+
+    Returns:
+      The accepted plan, its jitted emitted step, its compiled form and every round.
+
+    Raises:
+      InfeasibleBudgetError: no round fits and ``config.on_over_budget == "raise"``.
+    """
+    from jaxmem import planners
+    from jaxmem.planners import _registry as registry
+
+    counters = counters if counters is not None else {}
+    planner = planners.get(config.planner).fn
+    made: list[tuple[Any, Sequence[str]]] = [] if cost_model is None else [
+        (cost_model, cost_notes)]
+
+    def planning_costs() -> tuple[Any, Sequence[str]]:
+        if not made:
+            made.append(costs() if costs is not None else planning_cost_model(
+                graph, target, config.op_times, *abstract_args))
+        return made[0]
+
+    options = config.planner_options()
+    budget = config.budget_bytes(target)
+    internal = budget
+    rounds: list[Round] = []
+    built: list[tuple[Any, jax.stages.Compiled]] = []
+    seen: set[str] = set()
+    overshoot = 0
+    fitting_time_s: float | None = None  # estimate of the fastest alternative that fits
+    memo: dict[Any, Any] = {}  # the planner's, through the rounds (planners.COMMON_OPTIONS)
+    planned_s = 0.0  # planner wall time in this loop, against config.time_limit_s
+    overrun_s = 0.0  # the most a planner call took over its limit
+    out_of_time: tuple[str, ...] = ()
+
+    def compile_round(plan: plan_lib.Plan, planner_budget: int) -> tuple[int, int]:
+        jitted, compiled, dev, host = compile_plan(graph, plan, target, abstract_args,
+                                                   donate_argnums, counters)
+        rounds.append(Round(planner_budget, plan, dev, host))
+        built.append((jitted, compiled))
+        return dev, host
+
+    plain = plan_lib.unplanned(graph, planner=config.planner, budget_bytes=budget)
+    plain_peak: list[int] = []
+
+    def plain_predicted() -> int:
+        if not plain_peak:
+            plain_peak.append(plan_lib.simulate_plan(graph, plain).peak_bytes)
+        return plain_peak[0]
+
+    def compile_plain(note: str) -> int:
+        seen.add(plain.decisions())
+        return compile_round(plain.replace(predicted_peak_bytes=plain_predicted(), notes=(note,)),
+                             budget)[0]
+
+    if plain_first:
+        compile_plain("the step as written, with its blocks' verified decision table")
+    elif target.platform in _PLAIN_FIRST_PLATFORMS and plain_predicted() > budget:
+        # No decision the budget does not need: XLA:CPU can keep the step as written within
+        # a budget the simulator says it misses (its buffer assignment reuses more than
+        # the simulator's order allows), so the step as written is compiled before any plan.
+        compile_plain("the step as written: the simulator put it over the budget, compiled "
+                      "first on the CPU")
+    for index in range(config.verify_rounds if not rounds or rounds[0].compiled_bytes > budget
+                       else 0):
+        # Each round has its fixed share; when earlier rounds overran theirs (a search
+        # ends a simulation late, CP-SAT's presolve runs on), a re-plan gets only what is
+        # left of the step's limit, less the largest overrun so far.
+        left = config.time_limit_s - planned_s - overrun_s
+        if index and left < _MIN_REPLAN_S:
+            out_of_time = (f"no re-plan after round {len(rounds)}: the planner had spent "
+                           f"{planned_s:.1f} s of time_limit_s={config.time_limit_s:g}",)
+            logger.info("verify: %s", out_of_time[0])
+            break
+        limit = min(config.round_time_limit_s(index), left)
+        began = time.perf_counter()
+        planning_model = planning_costs()[0]  # made once (a profile run, maybe): not the limit's
+        costs_s = time.perf_counter() - began
+        plan = planner(graph, internal, planning_model,
+                       {**options, "time_limit_s": limit,
+                        "verify_budget_bytes": budget if internal < budget else None,
+                        "memo": memo})
+        took = time.perf_counter() - began - costs_s
+        planned_s += took
+        overrun_s = max(overrun_s, took - limit)
+        counters["plans"] = counters.get("plans", 0) + 1
+        counters["planning_s"] = counters.get("planning_s", 0.0) + costs_s + took
+        decisions = plan.decisions()
+        if decisions in seen:
+            # Same decisions at a tighter budget: the planner's own estimate still says they fit.
+            # Tighten again by the last overshoot (at least 1% of the budget) instead of giving up.
+            step_down = max(overshoot, budget // 100)
+            logger.info("planner %s returned the same plan at budget %s; tightening by %s",
+                        config.planner, format_bytes(internal), format_bytes(step_down))
+            internal -= step_down
+            if internal <= 0:
+                break
+            continue
+        seen.add(decisions)
+        first = len(rounds)
+        dev, host = compile_round(plan, internal)
+        logger.info("round %d: planner budget %s, predicted %s, compiled %s device + %s host "
+                    "on %s (budget %s)", len(rounds), format_bytes(internal),
+                    format_bytes(plan.predicted_peak_bytes), format_bytes(dev),
+                    format_bytes(host), target.name, format_bytes(budget))
+        if dev <= budget or (fitting_time_s is not None and (
+                plan.predicted_time_s is None or plan.predicted_time_s >= fitting_time_s)):
+            break
+        if _alternative_fits(plan, internal, budget, seen, compile_round):
+            # An alternative fits, but the planner ranked the plan that missed first: a
+            # tighter round may fit a plan faster than that alternative (GPT-2 at
+            # save_qkv_proj's peak: keep_matmuls_fit misses by 25 MiB, the fitting
+            # alternative is a 12% slower blocks plan; Llama at 24.8 GB: it misses by
+            # 618, then by 301 MiB). Re-plans go on, within the rounds, while the plan
+            # that missed is estimated faster; the ranking below keeps the fastest that fits.
+            alternative_s = rounds[-1].plan.predicted_time_s
+            if alternative_s is None or plan.predicted_time_s is None or (
+                    alternative_s <= plan.predicted_time_s):
+                break
+            fitting_time_s = min(alternative_s, fitting_time_s or alternative_s)
+        if (plan.offload and options["allow_offload"] and config.planner in registry.HONOURS_ALLOW
+                and dev > (1 + _OFFLOAD_MISS) * plan.predicted_peak_bytes):
+            # XLA kept far more on the device than the simulator expects of these copies
+            # (prefetches scheduled early, say): plan the next rounds without offloads, at
+            # the same budget (this miss says nothing about the simulator's remat plans).
+            options = {**options, "allow_offload": False}
+            logger.info("round %d: the plan's offloads compiled to %s against %s simulated; "
+                           "planning the next rounds without offloads", len(rounds),
+                           format_bytes(dev), format_bytes(plan.predicted_peak_bytes))
+            if all(r.plan.offload for r in rounds[first:]):
+                continue
+        # Tighten by the plan of this round that came closest (an alternative may have):
+        # the planner's chosen plan can be the one the simulator misjudges most.
+        missed = [r for r in rounds[first:] if r.compiled_bytes > budget] or rounds[first:]
+        closest = min(missed, key=lambda r: r.compiled_bytes)
+        dev = closest.compiled_bytes
+        overshoot = dev - budget
+        error = dev - closest.plan.predicted_peak_bytes
+        tighter = budget - error if error > 0 else internal - (dev - budget)
+        if tighter >= internal:
+            tighter = internal - (dev - budget)
+        internal = tighter
+        if internal <= 0:
+            break
+    if all(r.compiled_bytes > budget for r in rounds) and plain.decisions() not in seen:
+        # The simulator can over-predict the step as written (XLA fuses or rematerializes
+        # on its own, e.g. under jax.checkpoint policies): compile it once before giving up.
+        dev = compile_plain("every plan compiled over the budget; the step as written (no "
+                            "decisions) was compiled as a last resort")
+        logger.info("last resort: the step as written compiled to %s device on %s (budget %s)",
+                    format_bytes(dev), target.name, format_bytes(budget))
+    best = min(range(len(rounds)), key=lambda i: rounds[i].compiled_bytes)
+    ranking: tuple[str, ...] = ()
+    fitting = sum(r.compiled_bytes <= budget for r in rounds)
+    if fitting > 1 or (fitting and rounds[best].plan.alternatives):
+        best, ranking = _rank_alternatives(best, rounds, built, budget, target, seen,
+                                           compile_round)
+    chosen = rounds[best]
+    # The verified status replaces the planner's; a fallback it reported stays in the notes.
+    fell_back = (() if chosen.plan.status in ("ok", "over_budget") else
+                 (f"planner status: {chosen.plan.status}",))
+    notes = (*fell_back, *(made[0][1] if made else ()), *chosen.plan.notes, *ranking,
+             *out_of_time,
+             f"verified on {target.name}: {format_bytes(chosen.compiled_bytes)} device + "
+             f"{format_bytes(chosen.host_bytes)} host compiled, round {best + 1} of "
+             f"{len(rounds)}")
+    if chosen.compiled_bytes <= budget:
+        plan = chosen.plan.replace(status="ok", budget_bytes=budget, notes=notes,
+                                   compiled_bytes=chosen.compiled_bytes)
+        return plan, built[best][0], built[best][1], tuple(rounds)
+    if config.bitwise == "auto" and _bitwise_hint(graph, config):
+        # A 16-bit step no bit-exact plan fits: plan it as jax.checkpoint would recompute.
+        cost_model, cost_notes = planning_costs()
+        relaxed = _relaxed(graph, config, target, abstract_args, donate_argnums, counters,
+                           cost_model, cost_notes, arg_labels, chosen.compiled_bytes)
+        if relaxed is not None:
+            return relaxed
+    tried = "; ".join(f"planner budget {format_bytes(r.planner_budget_bytes)} -> compiled "
+                      f"{format_bytes(r.compiled_bytes)}" for r in rounds)
+    tried += "".join(f" ({why})" for why in out_of_time) + _bitwise_hint(graph, config)
+    floor, undonated = ((None, ()) if config.allow_state_offload else
+                        argument_floor(graph, abstract_args, donate_argnums, arg_labels))
+    if config.on_over_budget == "warn":
+        below = ("" if floor is None or floor <= budget else
+                 f" The arguments and the outputs the step does not write into donated "
+                 f"arguments alone take {format_bytes(floor)}"
+                 + (f"; donating the largest ({', '.join(str(a) for a, _ in undonated)}) "
+                    f"may let it fit" if undonated else "") + ".")
+        logger.warning("no plan fits the budget of %s on %s; running the best plan (%s).%s "
+                       "Tried: %s", format_bytes(budget), target.name,
+                       format_bytes(chosen.compiled_bytes), below, tried)
+        plan = chosen.plan.replace(status="over_budget", budget_bytes=budget, notes=notes,
+                                   compiled_bytes=chosen.compiled_bytes)
+        return plan, built[best][0], built[best][1], tuple(rounds)
+    raise InfeasibleBudgetError(budget, chosen.compiled_bytes, chosen.compiled_bytes,
+                                detail=f"planner {config.planner!r} on {target.name}: {tried}",
+                                planner=config.planner, floor_bytes=floor, undonated=undonated)
+
+
+def argument_floor(graph: Any, args: Sequence[Any], donate_argnums: Sequence[int],
+                   labels: Sequence[int | str] | None = None
+                   ) -> tuple[int | None, tuple[tuple[int | str, int], ...]]:
+    """The device bytes no plan goes below, and the largest arguments not donated.
+
+    XLA counts a step's device bytes as temp + arguments + outputs - aliased, and
+    only donated arguments can alias outputs; so every plan needs at least all
+    argument bytes, and at least the non-donated arguments plus the outputs
+    (outputs that are arguments passed through count once).
+
+    Args:
+      graph: the step's ``MemGraph``, traced with ``args`` as its flat inputs.
+      args: the step's dynamic arguments (pytrees), in the order traced.
+      donate_argnums: donated positions among ``args``.
+      labels: how the user names each of ``args`` (their position in the call or
+        keyword); by default their positions.
+
+    Returns:
+      ``(floor_bytes, undonated)``: ``undonated`` lists ``(label, bytes)`` of the
+      non-donated arguments that hold at least a tenth of the non-donated bytes,
+      largest first (at most four); ``(None, ())`` when the graph's inputs do not
+      match ``args``.
+    """
+    counts = [len(jax.tree_util.tree_leaves(a)) for a in args]
+    if sum(counts) != len(graph.inputs):
+        return None, ()
+    labels = tuple(range(len(args))) if labels is None else tuple(labels)
+    sizes, start = [], 0
+    for n in counts:
+        sizes.append(sum(graph.tensors[t].bytes for t in graph.inputs[start:start + n]))
+        start += n
+    donated = set(donate_argnums)
+    kept = [(labels[i], b) for i, b in enumerate(sizes) if i not in donated and b > 0]
+    kept_bytes = sum(b for _, b in kept)
+    inputs = set(graph.inputs)
+    outputs = sum(graph.tensors[t].bytes for t in set(graph.outputs) if t not in inputs)
+    floor = max(sum(sizes), kept_bytes + outputs)
+    big = sorted((x for x in kept if 10 * x[1] >= kept_bytes), key=lambda x: -x[1])[:4]
+    return floor, tuple(big)
+
+
+def _relaxed(graph: Any, config: Config, target: targets_lib.Target,
+             abstract_args: Sequence[Any], donate_argnums: tuple[int, ...],
+             counters: dict[str, float], cost_model: Any, cost_notes: Sequence[str],
+             arg_labels: Sequence[int | str] | None, exact_bytes: int
+             ) -> tuple[plan_lib.Plan, Any, jax.stages.Compiled, tuple[Round, ...]] | None:
+    """``Config(bitwise="auto")`` on a 16-bit step that no bit-exact plan fits: the verified
+    plan made with ``bitwise=False`` when it fits (one warning names what it recomputes
+    whole), else ``None``."""
+    relaxed_config = dataclasses.replace(config, bitwise=False, on_over_budget="raise")
+    try:
+        plan, jitted, compiled, rounds = verify(
+            graph, relaxed_config, target.for_bitwise(False), abstract_args, donate_argnums,
+            counters, cost_model=cost_model, cost_notes=cost_notes, arg_labels=arg_labels)
+    except InfeasibleBudgetError as err:
+        logger.info("bitwise='auto': the relaxed plans do not fit either (%s)", err)
+        return None
+    whole = _recomputed_whole(graph, plan)
+    named = ", ".join(whole[:4]) + (f" and {len(whole) - 4} more" if len(whole) > 4 else "")
+    why = (f"no bit-exact plan of this 16-bit step fits {format_bytes(config.budget_bytes(target))}"
+           f" on {target.name} (the best compiled to {format_bytes(exact_bytes)}); it is planned "
+           f"as with Config(bitwise=False), which compiles to "
+           f"{format_bytes(plan.compiled_bytes or 0)}: it recomputes {len(whole)} 16-bit values "
+           f"({named}), those XLA fuses into summations among them, whole as jax.checkpoint "
+           f"does, so the loss and gradients may differ from the plain step's by a few ulps, "
+           f"as under jax.checkpoint. Config(bitwise=True) keeps the bits and raises instead")
+    logger.warning("%s", why)
+    return plan.replace(notes=(*plan.notes, f"bitwise='auto': {why}")), jitted, compiled, rounds
+
+
+def _recomputed_whole(graph: Any, plan: plan_lib.Plan) -> list[str]:
+    """The 16-bit floating-point values ``plan`` re-issues, by name and source line."""
+    import numpy as np
+
+    names = []
+    for t in sorted(plan.remat):
+        tensor = graph.tensors[t]
+        if np.dtype(tensor.dtype).itemsize == 2 and jax.numpy.issubdtype(tensor.dtype,
+                                                                          jax.numpy.floating):
+            label = f"{tensor.name or f't{t}'} {tensor.dtype}{list(tensor.shape)}"
+            names.append(f"{label} at {tensor.source}" if tensor.source else label)
+    return names
+
+
+def _bitwise_hint(graph: Any, config: Config) -> str:
+    """Why a 16-bit step may miss its budget under ``bitwise=True``, and the way out."""
+    from jaxmem.planners._shared import fused_segments_are_exact
+
+    if not config.bitwise or fused_segments_are_exact(graph):
+        return ""
+    return (". This step has 16-bit floating-point values: to keep its bits, the remat planners "
+            "leave the values XLA fuses into a summation (a softmax's exponential, a norm's "
+            "centred input) where the forward pass made them. Config(bitwise=False) recomputes "
+            "them whole, as jax.checkpoint does, for a lower peak and gradients within a few "
+            "ulps (jax.checkpoint's own policies change the bits of such a step too)")
+
+
+def _alternative_fits(plan: plan_lib.Plan, planner_budget: int, budget: int, seen: set[str],
+                      compile_round: Callable[[plan_lib.Plan, int], tuple[int, int]]) -> bool:
+    """Compile the alternatives of a plan that compiled over the budget; whether one fits.
+
+    The planner's estimate of its chosen plan can be the one that is wrong: a
+    close alternative (``Plan.alternatives``, which the simulator scores
+    differently) may fit as compiled, which costs one compile instead of a
+    re-plan at a tighter budget that trades speed for memory.
+    """
+    for alt in plan.alternatives:
+        decisions = alt.decisions()
+        if decisions in seen:
+            continue
+        seen.add(decisions)
+        dev, host = compile_round(alt, planner_budget)
+        logger.info("alternative %s: compiled %s device + %s host (budget %s)",
+                    alt.notes[-1].removeprefix("alternative: ") if alt.notes else "?",
+                    format_bytes(dev), format_bytes(host), format_bytes(budget))
+        if dev <= budget:
+            return True
+    return False
+
+
+def _rank_alternatives(first: int, rounds: list[Round], built: list[tuple[Any, Any]],
+                       budget: int, target: targets_lib.Target, seen: set[str],
+                       compile_round: Callable[[plan_lib.Plan, int], tuple[int, int]]
+                       ) -> tuple[int, tuple[str, ...]]:
+    """Compile the fitting round's alternatives; the index of the fastest round that fits.
+
+    Planners estimate step time on the jaxpr; the compiled step's roofline
+    (:func:`jaxmem.cost.measure.report`) can rank close plans the other way, so the
+    plans the planner found close (``Plan.alternatives``) are compiled and the
+    fastest that fits is kept (ties: fewer device bytes).
+    """
+    from jaxmem.cost.measure import report  # jaxmem.measure is also the function of that name
+
+    for alt in rounds[first].plan.alternatives:
+        decisions = alt.decisions()
+        if decisions in seen:
+            continue
+        seen.add(decisions)
+        compile_round(alt, rounds[first].planner_budget_bytes)
+    fitting = [i for i, r in enumerate(rounds) if r.compiled_bytes <= budget]
+    times = {i: report(built[i][1], target).est_step_time_s for i in fitting}
+    best = min(fitting, key=lambda i: (times[i], rounds[i].compiled_bytes))
+
+    def label(i: int) -> str:
+        last = rounds[i].plan.notes[-1] if rounds[i].plan.notes else ""
+        return last if last.startswith("alternative: ") else f"round {i + 1}"
+
+    lines = [f"{label(i)}: {format_bytes(rounds[i].compiled_bytes)}, {times[i] * 1e3:.4g} ms"
+             for i in fitting]
+    logger.info("ranked %d fitting plans by compiled time: %s", len(fitting), "; ".join(lines))
+    return best, (f"ranked {len(fitting)} fitting plans by compiled roofline time (kept the "
+                  f"fastest): " + "; ".join(lines),)
+
+
+### Level and plan cache
+
+
+def effective_config(config: Config, level: int | None) -> Config:
+    """``config`` with its ``allow_*`` fields overridden by a ``JAXMEM_LEVEL`` level."""
+    if level is None:
+        return config
+    level_lib.warn_if_level4_unavailable(level)
+    allowed = level_lib.allowances(level)
+    return dataclasses.replace(config, **{k: v for k, v in allowed.items() if k != "enabled"})
+
+
+def plan_key(graph: Any, config: Config, target: targets_lib.Target) -> str:
+    """The plan-cache fingerprint of a traced step under a config on a target."""
+    program = graph.program
+    avals = ", ".join(str(v.aval) for v in program.jaxpr.jaxpr.invars)
+    program_text = (f"{program.jaxpr}\navals: {avals}\nshardings: {program.in_shardings}\n"
+                    f"donated: {program.donated}\nroles: {program.in_roles}")
+    options = sorted(config.planner_options().items())
+    # on_over_budget is left out: it changes what happens to a plan over the budget, not the
+    # plan (a loaded plan is checked against it again).
+    return cache_lib.fingerprint(program_text, config.planner, config.budget_bytes(target), options,
+                                 config.verify_rounds, target.name,
+                                 *(() if config.op_times == "roofline" else (config.op_times,)))
+
+
+def cached_plan(disk: cache_lib.PlanCache, key: str, graph: Any) -> plan_lib.Plan | None:
+    """The plan stored under ``key`` when it fits ``graph``; ``None`` (with a warning) if not."""
+    plan = disk.load(key)
+    if plan is None:
+        return None
+    try:
+        plan_lib.check_plan(plan_lib.view(graph), plan)
+    # A plan from disk can name anything: ops or tensors the step does not have.
+    except (ValueError, IndexError, KeyError, TypeError) as err:
+        disk.hits -= 1
+        disk.reject(disk.path(key), f"it does not fit the traced step: {err}")
+        return None
+    return plan
+
+
+def recheck_cached(disk: cache_lib.PlanCache, key: str, plan: plan_lib.Plan, dev: int,
+                    config: Config, target: targets_lib.Target, graph: Any,
+                    abstract: Sequence[Any], donated: Sequence[int],
+                    labels: Sequence[int | str]) -> plan_lib.Plan | None:
+    """A cached plan checked against the budget by its compile: the plan to run, ``None``
+    to plan again, or ``InfeasibleBudgetError`` under ``on_over_budget="raise"``.
+
+    The entry is shared by both ``on_over_budget`` settings: a plan stored over the
+    budget under ``"warn"`` (the best the planner found) runs with a warning under
+    ``"warn"`` and raises under ``"raise"``; a plan stored as fitting that no longer
+    compiles within the budget is planned again.
+    """
+    budget = config.budget_bytes(target)
+    if dev <= budget:
+        return plan.replace(status="ok", compiled_bytes=dev)
+    if plan.status != "over_budget":
+        disk.hits -= 1
+        disk.reject(disk.path(key), f"its plan compiles to {format_bytes(dev)}, over the budget "
+                                    f"of {format_bytes(budget)} it was stored for")
+        return None
+    if config.on_over_budget == "warn":
+        logger.warning("no plan fits the budget of %s on %s; running the best plan (%s), "
+                       "loaded from the plan cache (%s)", format_bytes(budget), target.name,
+                       format_bytes(dev), disk.path(key))
+        return plan.replace(compiled_bytes=dev)
+    floor, undonated = ((None, ()) if config.allow_state_offload else
+                        argument_floor(graph, abstract, donated, labels))
+    raise InfeasibleBudgetError(
+        budget, dev, dev, planner=config.planner, floor_bytes=floor, undonated=undonated,
+        detail=f"planner {config.planner!r} on {target.name}: its best plan, stored in the plan "
+               f"cache ({disk.path(key)}) under on_over_budget='warn', compiles to "
+               f"{format_bytes(dev)}")
