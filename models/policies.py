@@ -70,7 +70,7 @@ POLICIES: dict[str, str] = {
 }
 
 # Not a peer: every block under jaxmem.planned_policy(), whose decision table (save / remat /
-# offload per residual name) @jaxmem.optimize chooses for the budget (jaxmem.scanplan).
+# offload per residual name) @jaxmem.optimize chooses for the budget (jaxmem.planners.scanplan).
 PLANNED = "jaxmem"
 
 # Policies that move residuals to host memory (the others only save or recompute).
@@ -106,7 +106,7 @@ def checkpoint_policy(name: str) -> Callable[..., object] | None:
     if name == "none":
         return None
     if name == PLANNED:
-        from jaxmem.blocks import planned_policy
+        from jaxmem.tracing.blocks import planned_policy
 
         return planned_policy()
     if name == "full":
