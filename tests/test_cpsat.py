@@ -519,7 +519,7 @@ def test_cpsat_does_not_abort_the_process_on_the_tiny_mlp_train_step():
         "import jaxmem.models as zoo, jaxmem.planners as reg\n"
         "from jaxmem.analysis.graph import build_graph\n"
         "from jaxmem.cost.costmodel import CostModel\n"
-        "from jaxmem import plan as P\n"
+        "from jaxmem.plans import plan as P\n"
         "zs = zoo.build('mlp', 'tiny', step='train')\n"
         "g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,"
         " arg_roles=zs.arg_roles, target='cpu')\n"
