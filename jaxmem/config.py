@@ -31,7 +31,6 @@ ON_OVER_BUDGET: tuple[str, ...] = ("raise", "warn")
 DEFAULT_PLANNER = "cpsat"
 # Config(plan_cache=True)'s folder.
 DEFAULT_PLAN_CACHE = Path(os.path.expanduser("~")) / ".cache" / "jaxmem" / "plans"
-DEFAULT_HOST_BUDGET_BYTES = 64 << 30  # XLA's pinned-host pool on a GPU, unless raised
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -172,7 +171,7 @@ class Config:
     budget: int | str | float | None = None
     target: TargetChoice = "auto"
     planner: str = DEFAULT_PLANNER
-    host_budget: int | str = DEFAULT_HOST_BUDGET_BYTES
+    host_budget: int | str = _targets.DEFAULT_HOST_BUDGET_BYTES
     allow_remat: bool = True
     allow_offload: bool = True
     allow_reorder: bool = True

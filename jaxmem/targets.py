@@ -64,6 +64,11 @@ _MISSING_PLUGIN = (
 )
 
 
+# Pinned host memory a plan may fill (Config(host_budget=...)'s default): XLA's pinned-host
+# pool on a GPU, unless raised.
+DEFAULT_HOST_BUDGET_BYTES = 64 << 30
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """A device jaxmem plans and compiles for.

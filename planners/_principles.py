@@ -207,13 +207,7 @@ def with_scaled_operands(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
 
 def _resimulated(graph: Any, plan: plan_lib.Plan) -> tuple[int, str]:
     """The simulated peak of a plan a rule changed, and its status against its budget."""
-    placed = [t for t, where in plan.placement.items() if where == "pinned_host"]
-    if placed:
-        from jaxmem.plans import placement as placement_lib
-
-        peak = placement_lib.simulate_plan(graph, plan).peak_bytes
-    else:
-        peak = plan_lib.simulate_plan(graph, plan).peak_bytes
+    peak = plan_lib.simulate_plan(graph, plan).peak_bytes
     status = plan.status
     if status == "ok" and peak > plan.budget_bytes:
         status = "over_budget"

@@ -75,7 +75,7 @@ How it runs, within ``time_limit_s``:
    cannot fit; when no candidate fits without a placement, the same placement step
    (:func:`jaxmem.planners.greedy.place_state`) runs on the solver's plan and on
    the two lowest-peak heuristic plans, and those compete too. Candidates with a
-   placement are scored by :func:`jaxmem.plans.placement.simulate_plan` and the
+   placement are scored by :func:`jaxmem.plans.plan.simulate_plan` and the
    estimate plus :func:`jaxmem.plans.placement.update_time_s`. The solver's plan with
    state placed is status ``"ok"`` without a bound (the solver places no state).
 
@@ -132,6 +132,7 @@ from jaxmem.planners.blocks import SAVE
 from jaxmem.planners.coarsen import Coarsening, coarsen, plan_schedule, schedule_fields
 from jaxmem.planners.greedy import place_state
 from jaxmem.plans import placement as placement_lib, plan as plan_lib
+from jaxmem.targets import DEFAULT_HOST_BUDGET_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ NAME = "cpsat"
 DEFAULTS: dict[str, Any] = {
     "time_limit_s": 30.0, "num_workers": 2, "seed": 0, "allow_remat": True,
     "allow_offload": True, "allow_reorder": True, "max_copies": 2, "max_nodes": 60,
-    "reserve_bytes": 0, "host_budget_bytes": 64 << 30, "deterministic": True,
+    "reserve_bytes": 0, "host_budget_bytes": DEFAULT_HOST_BUDGET_BYTES, "deterministic": True,
     "deterministic_time_s": None,
     "tie_blocks": False, "min_decision_bytes": None,
     # one simulation each first (their plans do not depend on the budget: a re-plan of
@@ -224,7 +225,7 @@ def _score(graph: Any, name: str, plan: plan_lib.Plan, cost_model: Any) -> _Scor
         sim = plan_lib.simulate_plan(graph, plan)
         return _Scored(name, plan, sim.peak_bytes, estimate_time_s(graph, plan, cost_model))
     bare = plan.replace(placement={}, host_update=())
-    return _Scored(name, plan, placement_lib.simulate_plan(graph, plan).peak_bytes,
+    return _Scored(name, plan, plan_lib.simulate_plan(graph, plan).peak_bytes,
                    estimate_time_s(graph, bare, cost_model)
                    + placement_lib.update_time_s(graph, cost_model, placed, plan.host_update))
 

@@ -45,11 +45,11 @@ from typing import Any, Mapping
 from jaxmem.planners._principles import constant_tensors
 from jaxmem.planners._registry import register
 from jaxmem.plans import placement as placement_lib, plan as plan_lib
+from jaxmem.targets import DEFAULT_HOST_BUDGET_BYTES
 
 logger = logging.getLogger(__name__)
 
 NAME = "greedy"
-DEFAULT_HOST_BUDGET_BYTES = 64 << 30
 # Gaps shorter than this many ops free too little to be worth a split.
 MIN_GAP_OPS = 2
 MAX_ROUNDS = 10_000
@@ -294,7 +294,7 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
         notes.append(f"{len(placed)} inputs placed on pinned host, "
                      f"{len(host_update)} of them updated on the host")
         if host_update:
-            sim = placement_lib.simulate_plan(graph, decisions.plan(budget_bytes).replace(
+            sim = plan_lib.simulate_plan(graph, decisions.plan(budget_bytes).replace(
                 placement=placed, host_update=host_update))
     if status == "ok" and sim.peak_bytes > budget_bytes:
         status = "over_budget"
@@ -321,7 +321,7 @@ def place_state(graph: Any, plan: plan_lib.Plan, budget_bytes: int, host_left: i
     value), logged.
     """
     placed: dict[int, str] = {}
-    sim = placement_lib.simulate_plan(graph, plan)
+    sim = plan_lib.simulate_plan(graph, plan)
     for t in placement_lib.candidates(graph):
         if sim.peak_bytes <= budget_bytes:
             break
@@ -332,7 +332,7 @@ def place_state(graph: Any, plan: plan_lib.Plan, budget_bytes: int, host_left: i
         if cost > host_left:
             continue
         trial = {**placed, t: "pinned_host"}
-        new = placement_lib.simulate_plan(graph, plan.replace(placement=trial))
+        new = plan_lib.simulate_plan(graph, plan.replace(placement=trial))
         if new.peak_bytes < sim.peak_bytes:
             placed, sim, host_left = trial, new, host_left - cost
     return placed, sim

@@ -18,6 +18,7 @@ from jaxmem.analysis import simulate
 from jaxmem.analysis.graph import analyse, build_graph
 from jaxmem.cost import hlo
 from jaxmem.cost.costmodel import CostModel
+from jaxmem.cost.measure import compiled_bytes
 from jaxmem.planners import greedy
 from jaxmem.plans import plan as plan_lib
 from jaxmem.tracing.trace import trace
@@ -340,9 +341,7 @@ def test_weight_gradients_are_pinned_next_to_their_layer():
 
 
 def _device_bytes(compiled) -> int:
-    m = compiled.memory_analysis()
-    return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-            - m.alias_size_in_bytes)
+    return compiled_bytes(compiled.memory_analysis())[0]
 
 
 @pytest.mark.parametrize("policy", ["full", "dots"])

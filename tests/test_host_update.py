@@ -13,7 +13,7 @@ from test_placement import _case as placement_case
 from jaxmem import emit, targets
 from jaxmem.cost import hlo
 from jaxmem.cost.costmodel import CostModel
-from jaxmem.cost.measure import report
+from jaxmem.cost.measure import compiled_bytes, report
 from jaxmem.planners import greedy
 from jaxmem.plans import placement, plan as plan_lib
 
@@ -111,7 +111,7 @@ def test_planner_chooses_the_host_update_unless_the_host_is_slow():
     plan = plans["fast"]
     assert plan_lib.Plan.from_json(plan.to_json()).host_update == plan.host_update
     assert f"{len(moments)} updated on the host" in plan.summary()
-    assert plan.predicted_peak_bytes == placement.simulate_plan(graph, plan).peak_bytes
+    assert plan.predicted_peak_bytes == plan_lib.simulate_plan(graph, plan).peak_bytes
     assert plan.predicted_peak_bytes < plans["slow"].predicted_peak_bytes
 
 
@@ -128,8 +128,7 @@ def test_optimize_at_level_4_updates_the_moments_on_the_host_and_runs_exactly():
     h100 = targets.get("h100")
     m = jax.jit(zs.fn).lower(*h100.place(args)).compile(
         compiler_options=h100.compiler_options).memory_analysis()
-    plain = (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-             - m.alias_size_in_bytes)
+    plain = compiled_bytes(m)[0]
     budget = int(0.8 * plain)
     step = jaxmem.optimize(zs.fn, config=jaxmem.Config(
         budget=budget, target="h100", allow_state_offload=True, on_over_budget="warn"))

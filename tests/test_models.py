@@ -20,6 +20,7 @@ import pytest
 import jaxmem.models as zoo
 import jaxmem.planners
 from jaxmem import targets
+from jaxmem.cost.measure import compiled_bytes
 from jaxmem.models import gpt2, llama, policies
 from jaxmem.models._layers import repeat_block
 
@@ -375,9 +376,7 @@ def test_mlp_bench_reproduces_the_design_probe() -> None:
     x = jax.ShapeDtypeStruct((8192, 256), f32)
 
     def device_bytes(compiled: jax.stages.Compiled) -> int:
-        m = compiled.memory_analysis()
-        return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-                - m.alias_size_in_bytes)
+        return compiled_bytes(compiled.memory_analysis())[0]
 
     for policy, fn in (("none", loss), ("full", loss_remat)):
         probe = jax.jit(jax.value_and_grad(fn)).lower(*t.place((ws, x))).compile()

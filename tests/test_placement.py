@@ -13,6 +13,7 @@ import jaxmem.models as zoo
 from jaxmem import emit, targets
 from jaxmem.analysis.graph import analyse
 from jaxmem.cost.costmodel import CostModel
+from jaxmem.cost.measure import compiled_bytes
 from jaxmem.planners import greedy
 from jaxmem.plans import placement, plan as plan_lib
 from jaxmem.tracing.trace import trace
@@ -88,8 +89,7 @@ def test_h100_placement_writes_the_optimizer_state_to_host_buffers():
     assert before.output_size_in_bytes - after.output_size_in_bytes == state_bytes
 
     def device(m):
-        return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-                - m.alias_size_in_bytes)
+        return compiled_bytes(m)[0]
 
     assert device(after) <= device(before)
 
@@ -116,15 +116,24 @@ def test_candidates_are_the_state_inputs_with_an_update_optimizer_state_first():
 def test_simulation_without_placement_is_the_plans_own():
     _, _, graph = _case("mlp")
     plan = greedy.split_every(graph, CostModel.for_target("cpu"), "offload")
-    assert placement.simulate_plan(graph, plan) == plan_lib.simulate_plan(graph, plan)
+    assert placement.simulate_placed(graph, plan) == plan_lib.simulate_plan(graph, plan)
+
+
+def test_a_plan_that_places_state_is_simulated_with_its_placement():
+    _, _, graph = _case("mlp", "h100")
+    plan = plan_lib.unplanned(graph).replace(
+        placement={t: "pinned_host" for t in _inputs(graph, "opt_state")})
+    placed = plan_lib.simulate_plan(graph, plan)
+    assert placed == placement.simulate_placed(graph, plan)
+    assert placed != plan_lib.simulate_plan(graph, plan.replace(placement={}))
 
 
 def test_simulation_moves_the_updates_off_the_device_and_adds_the_prefetched_copies():
     _, _, graph = _case("mlp", "h100")
     placed = _inputs(graph, "opt_state")
     plan = plan_lib.unplanned(graph)
-    before = placement.simulate_plan(graph, plan)
-    after = placement.simulate_plan(graph, plan.replace(
+    before = plan_lib.simulate_plan(graph, plan)
+    after = plan_lib.simulate_plan(graph, plan.replace(
         placement={t: "pinned_host" for t in placed}))
     state_bytes = sum(graph.tensors[t].bytes for t in placed)
     # The updates no longer hold output buffers for the whole step (they did not
@@ -160,9 +169,7 @@ def _momentum_args():
 
 
 def _device_bytes(compiled) -> int:
-    m = compiled.memory_analysis()
-    return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-            - m.alias_size_in_bytes)
+    return compiled_bytes(compiled.memory_analysis())[0]
 
 
 def test_greedy_places_state_only_when_allowed_and_the_compiled_step_shrinks():
@@ -175,7 +182,7 @@ def test_greedy_places_state_only_when_allowed_and_the_compiled_step_shrinks():
     with_state = greedy.plan_greedy(graph, budget, cost, {"allow_state_offload": True})
     assert not without.placement and with_state.placement
     assert with_state.predicted_peak_bytes < without.predicted_peak_bytes
-    assert with_state.predicted_peak_bytes == placement.simulate_plan(graph, with_state).peak_bytes
+    assert with_state.predicted_peak_bytes == plan_lib.simulate_plan(graph, with_state).peak_bytes
 
     def compiled(plan):
         return jax.jit(emit.emit(graph, plan)).lower(*args).compile(
@@ -197,7 +204,7 @@ def test_cpsat_places_state_on_top_of_its_own_plan_when_nothing_else_fits():
     assert without.status == "over_budget" and not without.placement
     assert with_state.status != "over_budget" and with_state.placement, with_state.notes
     assert with_state.predicted_peak_bytes <= budget
-    assert with_state.predicted_peak_bytes == placement.simulate_plan(graph, with_state).peak_bytes
+    assert with_state.predicted_peak_bytes == plan_lib.simulate_plan(graph, with_state).peak_bytes
     assert any("+ state on host" in n for n in with_state.notes)
     # the placed candidate's time includes the state's copies
     greedy_time = greedy.plan_greedy(graph, budget, cost, {"allow_state_offload": True})

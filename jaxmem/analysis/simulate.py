@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -117,20 +117,22 @@ def buffer_sizes(graph: MemGraph) -> dict[int, int]:
     return sizes
 
 
-def _check_order(graph: MemGraph, order: Sequence[int]) -> None:
-    n = len(graph.ops)
-    if sorted(order) != list(range(n)):
-        missing = sorted(set(range(n)) - set(order))[:5]
-        raise ValueError(f"order must list every op id 0..{n - 1} exactly once; got {len(order)} "
-                         f"ids (missing e.g. {missing}). Fix: pass a permutation of "
-                         f"graph.topo_order().")
+def check_order(order: Sequence[int], n_ops: int, inputs_of: Callable[[int], Iterable[int]],
+                producer_of: Callable[[int], "int | None"]) -> None:
+    """Raise ``ValueError`` unless ``order`` runs every op id ``0..n_ops-1`` exactly once, each
+    after the producers of its inputs (``inputs_of(op)``, ``producer_of(tensor)``)."""
+    if sorted(order) != list(range(n_ops)):
+        missing = sorted(set(range(n_ops)) - set(order))[:5]
+        raise ValueError(f"order must list every op id 0..{n_ops - 1} exactly once; got "
+                         f"{len(order)} ids (missing e.g. {missing}, or repeated ids). Fix: "
+                         f"pass a permutation of graph.topo_order().")
     pos = {op: i for i, op in enumerate(order)}
-    for op in graph.ops:
-        for t in op.inputs:
-            p = graph.tensors[t].producer
-            if p is not None and pos[p] > pos[op.id]:
-                raise ValueError(f"order runs op {op.id} ({op.primitive}) before op {p} that "
-                                 f"produces its input tensor {t}; the order must be topological.")
+    for op in order:
+        for t in inputs_of(op):
+            p = producer_of(t)
+            if p is not None and pos[p] > pos[op]:
+                raise ValueError(f"order runs op {op} before op {p}, which produces its input "
+                                 f"tensor {t}; the order must be topological.")
 
 
 def donation_aliases(graph: MemGraph) -> dict[int, int]:
@@ -180,7 +182,8 @@ def steps_for_order(graph: MemGraph, order: Sequence[int] | None = None,
     if accounting not in ("xla", "liveness"):
         raise ValueError(f"accounting={accounting!r}; allowed: 'xla', 'liveness'.")
     order = graph.topo_order() if order is None else tuple(order)
-    _check_order(graph, order)
+    check_order(order, len(graph.ops), lambda op: graph.ops[op].inputs,
+                lambda t: graph.tensors[t].producer)
     tensors = graph.tensors
     keep = {graph.buffer(t) for t in graph.outputs} - {None}
     donated = graph.program.donated

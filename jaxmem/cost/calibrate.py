@@ -26,6 +26,7 @@ import jax
 from jaxmem import targets as _targets
 from jaxmem.analysis.graph import analyse
 from jaxmem.analysis.simulate import simulate
+from jaxmem.cost.measure import compiled_bytes
 from jaxmem.tracing.trace import trace
 
 logger = logging.getLogger(__name__)
@@ -76,8 +77,7 @@ def compare(fn: Callable[..., Any], *args: Any, target: str = "h100",
     analysis_s = time.perf_counter() - start
     stats, compile_s = compiled_memory(fn, *args, target=target, donate_argnums=donate_argnums,
                                        static_argnums=static_argnums, **kwargs)
-    compiled = (stats.temp_size_in_bytes + stats.argument_size_in_bytes
-                + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+    compiled, _ = compiled_bytes(stats)
     return Comparison(
         predicted_bytes=result.peak_bytes, allocator_bytes=result.allocator_peak_bytes,
         compiled_bytes=compiled, temp_bytes=stats.temp_size_in_bytes,

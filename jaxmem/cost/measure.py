@@ -180,6 +180,16 @@ def measure(step: Callable[..., Any], *args: Any, target: "str | _targets.Target
     return report(compiled, t, compile_time_s=compile_time_s)
 
 
+def compiled_bytes(stats: Any) -> tuple[int, int]:
+    """Device and host bytes of a compiled step, from its ``memory_analysis()``: temporaries,
+    arguments and outputs, less the outputs that alias donated arguments."""
+    device = (stats.temp_size_in_bytes + stats.argument_size_in_bytes
+              + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+    host = (stats.host_temp_size_in_bytes + stats.host_argument_size_in_bytes
+            + stats.host_output_size_in_bytes - stats.host_alias_size_in_bytes)
+    return int(device), int(host)
+
+
 def report(compiled: jax.stages.Compiled, target: "str | _targets.Target" = "h100", *,
            compile_time_s: float = 0.0) -> Report:
     """The :class:`Report` of a step already compiled for ``target``.
@@ -197,10 +207,7 @@ def report(compiled: jax.stages.Compiled, target: "str | _targets.Target" = "h10
     text = compiled.as_text()
     cost = analyze(text)
     estimate = CostModel.for_target(t).step_time(cost)
-    device = (stats.temp_size_in_bytes + stats.argument_size_in_bytes
-              + stats.output_size_in_bytes - stats.alias_size_in_bytes)
-    host = (stats.host_temp_size_in_bytes + stats.host_argument_size_in_bytes
-            + stats.host_output_size_in_bytes - stats.host_alias_size_in_bytes)
+    device, host = compiled_bytes(stats)
     result = Report(
         target=t.name, device_bytes=int(device),
         peak_memory_in_bytes=int(stats.peak_memory_in_bytes),

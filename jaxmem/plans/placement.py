@@ -4,7 +4,7 @@ A plan's ``placement`` puts parameters or optimizer state in pinned host
 memory (:mod:`jaxmem.emit` carries it out: the input is prefetched to the
 device right before its first reader, and its update, the output at the same
 path of the new state, is written back to host as soon as it is computed).
-:func:`simulate_plan` scores such a plan the way the compiled step is
+:func:`simulate_placed` scores such a plan the way the compiled step is
 verified, on a compile-only target: an argument cannot carry a host memory
 kind there (docs/targets.md), so it still holds its device buffer for the whole
 step; the prefetched copy is a device buffer from the first reader to the
@@ -250,10 +250,11 @@ def host_bytes(graph: Any, placed: Sequence[int]) -> int:
     return 2 * sum(graph.tensors[t].bytes for t in placed)
 
 
-def simulate_plan(graph: Any, plan: plan_lib.Plan) -> simulate.SimResult:
-    """The device peak of ``plan`` with its placement, as compiled for a compile-only target.
+def simulate_placed(graph: Any, plan: plan_lib.Plan) -> simulate.SimResult:
+    """The device peak of ``plan`` with its placement, as compiled for a compile-only target
+    (what :func:`jaxmem.plans.plan.simulate_plan` gives for a plan that places state).
 
-    Without placement this is :func:`jaxmem.plans.plan.simulate_plan`. With a host
+    With a host
     update, the host group's results are no device buffers (but those sent
     back to the device), and a placed input only it reads is not prefetched.
     """

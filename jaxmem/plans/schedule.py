@@ -456,9 +456,17 @@ def steps_for_plan(graph: Any, plan: Plan) -> "list[simulate.Step]":
 
 
 def simulate_plan(graph: Any, plan: Plan) -> "simulate.SimResult":
-    """Simulate ``plan`` on ``graph``: the device peak it should compile to."""
+    """Simulate ``plan`` on ``graph``: the device peak it should compile to.
+
+    A plan that places state on pinned host is simulated with its placement
+    (:func:`jaxmem.plans.placement.simulate_placed`).
+    """
     from jaxmem.analysis import simulate
 
+    if any(where == "pinned_host" for where in plan.placement.values()):
+        from jaxmem.plans import placement  # placement imports this module
+
+        return placement.simulate_placed(graph, plan)
     sched = build_schedule(graph, plan)
     return simulate.simulate_steps(graph, _accounted(graph, sched), sizes=sched.sizes())
 

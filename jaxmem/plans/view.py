@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from jaxmem import _compat
+from jaxmem.analysis import simulate
 
 # Primitives never re-issued: collectives and stateful / effectful operations
 # (recomputing them changes results or communicates twice).
@@ -166,14 +167,12 @@ def _build_view(obj: Any) -> View:
     movable = [0] * len(nbytes)
     alignment = 1
     if graph is not None:
-        from jaxmem.analysis.simulate import alignment_bytes  # simulate imports the graph module
-
         if len(graph.tensors) != len(nbytes):
             raise ValueError(f"the MemGraph has {len(graph.tensors)} tensors but its program "
                              f"has {len(nbytes)} values; rebuild the graph from this program")
         extra = [int(t.extra_bytes) for t in graph.tensors]
         movable = _movable_copies(graph, jaxpr)
-        alignment = alignment_bytes(graph.target)
+        alignment = simulate.alignment_bytes(graph.target)
         nbytes = [int(t.bytes) for t in graph.tensors]
         materialized = [bool(t.materialized) for t in graph.tensors]
         reads: dict[int, set[int]] = {}
@@ -288,17 +287,7 @@ def branch_ops(v: View) -> frozenset[int]:
 
 def check_order(v: View, order: Sequence[int]) -> None:
     """Raise ``ValueError`` unless ``order`` is a topological permutation of all ops."""
-    if sorted(order) != list(range(v.n_ops)):
-        missing = sorted(set(range(v.n_ops)) - set(order))[:5]
-        raise ValueError(f"plan order has {len(order)} entries for {v.n_ops} ops (missing e.g. "
-                         f"{missing}, or repeated ids); give every op id exactly once")
-    pos = {op: i for i, op in enumerate(order)}
-    for op in order:
-        for t in v.inputs_of(op):
-            p = v.producer[t]
-            if p is not None and pos[p] > pos[op]:
-                raise ValueError(f"plan order runs op {op} before op {p}, which produces its "
-                                 f"input t{t}; the order must be topological")
+    simulate.check_order(order, v.n_ops, v.inputs_of, lambda t: v.producer[t])
 
 
 

@@ -18,6 +18,7 @@ import jax
 
 from jaxmem import emit as emit_lib, level as level_lib, targets as targets_lib
 from jaxmem.config import Config
+from jaxmem.cost.measure import compiled_bytes, report
 from jaxmem.cost.profile import planning_cost_model
 from jaxmem.errors import InfeasibleBudgetError
 from jaxmem.plans import plan as plan_lib
@@ -75,11 +76,7 @@ def device_bytes(compiled: jax.stages.Compiled) -> tuple[int, int]:
     if m is None:
         raise RuntimeError("XLA gave no memory analysis for the compiled step; jaxmem needs it "
                            "to verify plans")
-    device = (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-              - m.alias_size_in_bytes)
-    host = (m.host_temp_size_in_bytes + m.host_argument_size_in_bytes
-            + m.host_output_size_in_bytes - m.host_alias_size_in_bytes)
-    return int(device), int(host)
+    return compiled_bytes(m)
 
 
 def compile_plan(graph: Any, plan: plan_lib.Plan, target: targets_lib.Target,
@@ -456,8 +453,6 @@ def _rank_alternatives(first: int, rounds: list[Round], built: list[tuple[Any, A
     plans the planner found close (``Plan.alternatives``) are compiled and the
     fastest that fits is kept (ties: fewer device bytes).
     """
-    from jaxmem.cost.measure import report  # jaxmem.measure is also the function of that name
-
     for alt in rounds[first].plan.alternatives:
         decisions = alt.decisions()
         if decisions in seen:
