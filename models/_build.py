@@ -13,7 +13,8 @@ import optax
 from jaxmem import targets as _targets
 from jaxmem.models import gpt2, llama, mlp, resnet, unet, vgg
 from jaxmem.models._spec import Batch, ModelSpec
-from jaxmem.models.policies import PolicyName, check_policy
+from jaxmem.models.policies import check_policy
+from jaxmem.planners import PeerName
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def spec(name: str) -> ModelSpec:
 
 
 def build(name: str, size: Size | str = "tiny", *, step: StepKind | str = "train",
-          policy: PolicyName | str = "none", scan: bool = False,
+          policy: PeerName | str = "none", scan: bool = False,
           dropout: float | None = None) -> ZooStep:
     """Build a zoo step.
 

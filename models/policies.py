@@ -33,15 +33,12 @@ True
 
 from __future__ import annotations
 
-from typing import Callable, Literal, TypeVar
+from typing import Callable, TypeVar
 
 import flax.linen as nn
 import jax
 
-PolicyName = Literal[
-    "none", "full", "dots", "dots_no_batch", "offload_dots_no_batch", "minimal",
-    "save_qkv_proj", "save_dot_except_mlpwi", "qkv_proj_offloaded", "minimal_offloaded",
-]
+from jaxmem.planners import PEERS as POLICIES
 
 # Where offloaded residuals go: XLA memory kinds (docs/targets.md).
 OFFLOAD_SRC = "device"
@@ -51,23 +48,6 @@ OFFLOAD_DST = "pinned_host"
 QKV_NAMES = ("query_proj", "key_proj", "value_proj", "qkv_proj")
 BLOCK_INPUT = "decoder_layer_input"
 
-POLICIES: dict[str, str] = {
-    "none": "no remat: XLA keeps every residual the backward pass needs",
-    "full": "per block, save nothing (jax.checkpoint_policies.nothing_saveable)",
-    "dots": "per block, save matmul and conv outputs (dots_saveable)",
-    "dots_no_batch":
-        "per block, save matmuls without batch dims (dots_with_no_batch_dims_saveable)",
-    "offload_dots_no_batch":
-        "per block, offload matmuls without batch dims to pinned host "
-        "(offload_dot_with_no_batch_dims('device', 'pinned_host'))",
-    "minimal": "MaxText 'minimal': checkpoint_dots_with_no_batch_dims",
-    "save_qkv_proj": "MaxText: save only query/key/value projections (and a fused qkv_proj)",
-    "save_dot_except_mlpwi": "MaxText: save q/k/v projections, out_proj and mlpwo",
-    "qkv_proj_offloaded":
-        "MaxText: offload query/key/value projections to pinned host, save nothing else",
-    "minimal_offloaded":
-        "MaxText 'minimal_offloaded': offload matmuls without batch dims to pinned host",
-}
 
 # Not a peer: every block under jaxmem.planned_policy(), whose decision table (save / remat /
 # offload per residual name) @jaxmem.optimize chooses for the budget (jaxmem.planners.scanplan).

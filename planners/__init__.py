@@ -13,9 +13,18 @@ True
 
 from __future__ import annotations
 
-from jaxmem.planners._registry import Entry, get, names, peers, planners, register
+from jaxmem.planners._registry import (
+    PEERS,
+    Entry,
+    PeerName,
+    get,
+    names,
+    peers,
+    planners,
+    register,
+)
 
-__all__ = ["Entry", "get", "names", "peers", "planners", "register"]
+__all__ = ["PEERS", "Entry", "PeerName", "get", "names", "peers", "planners", "register"]
 
 from jaxmem.planners._registry import register_module as _register_module  # noqa: E402
 

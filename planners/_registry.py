@@ -46,19 +46,29 @@ COMMON_OPTIONS = frozenset({"allow_remat", "allow_offload", "allow_reorder", "al
 # kind of decision they always make).
 HONOURS_ALLOW = frozenset({"greedy", "cpsat"})
 
-# Peers: the stock JAX checkpoint policies and MaxText-style presets (docs/measurement.md).
-_PEERS = {
-    "none": "XLA as is: no remat, no offload",
-    "full": "jax.checkpoint per block saving nothing (nothing_saveable)",
-    "dots": "per block, save every matmul output (dots_saveable)",
+# Peers: the stock JAX checkpoint policies and MaxText-style presets the zoo applies per
+# block (docs/measurement.md), by name with what each does.
+PeerName = Literal[  # the keys of PEERS (tests/test_models.py checks)
+    "none", "full", "dots", "dots_no_batch", "offload_dots_no_batch", "minimal",
+    "save_qkv_proj", "save_dot_except_mlpwi", "qkv_proj_offloaded", "minimal_offloaded",
+]
+
+PEERS: dict[str, str] = {
+    "none": "no remat: XLA keeps every residual the backward pass needs",
+    "full": "per block, save nothing (jax.checkpoint_policies.nothing_saveable)",
+    "dots": "per block, save matmul and conv outputs (dots_saveable)",
     "dots_no_batch":
         "per block, save matmuls without batch dims (dots_with_no_batch_dims_saveable)",
-    "offload_dots_no_batch": "per block, offload matmuls without batch dims to pinned host",
-    "minimal": "MaxText 'minimal': save matmuls without batch dims",
-    "save_qkv_proj": "MaxText: save query/key/value projections",
-    "save_dot_except_mlpwi": "MaxText: save q/k/v, out_proj and mlpwo",
-    "qkv_proj_offloaded": "MaxText: offload query/key/value projections to pinned host",
-    "minimal_offloaded": "MaxText 'minimal_offloaded': offload matmuls without batch dims",
+    "offload_dots_no_batch":
+        "per block, offload matmuls without batch dims to pinned host "
+        "(offload_dot_with_no_batch_dims('device', 'pinned_host'))",
+    "minimal": "MaxText 'minimal': checkpoint_dots_with_no_batch_dims",
+    "save_qkv_proj": "MaxText: save only query/key/value projections (and a fused qkv_proj)",
+    "save_dot_except_mlpwi": "MaxText: save q/k/v projections, out_proj and mlpwo",
+    "qkv_proj_offloaded":
+        "MaxText: offload query/key/value projections to pinned host, save nothing else",
+    "minimal_offloaded":
+        "MaxText 'minimal_offloaded': offload matmuls without batch dims to pinned host",
 }
 
 # Planner modules import lazily so `import jaxmem` does not pull in OR-Tools.
@@ -93,7 +103,7 @@ def _load_all() -> None:
             importlib.import_module(module)
 
 
-for _name, _doc in _PEERS.items():
+for _name, _doc in PEERS.items():
     register(_name, None, _doc, kind="peer")  # type: ignore[arg-type]
 
 

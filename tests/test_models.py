@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import typing
 from typing import Any
 
 import flax.linen as nn
@@ -133,6 +134,7 @@ def test_public_tables() -> None:
     assert zoo.names() == ["mlp", "vgg16", "resnet50", "unet", "gpt2", "llama"]
     assert zoo.SIZES == ("tiny", "small", "bench")
     assert set(zoo.POLICIES) == set(jaxmem.planners.peers())
+    assert set(typing.get_args(jaxmem.planners.PeerName)) == set(jaxmem.planners.PEERS)
 
 
 @pytest.mark.parametrize("kwargs, bad", [
