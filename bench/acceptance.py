@@ -215,22 +215,19 @@ def _gap(r: Record) -> str:
 
 
 def _source(r: Record) -> str:
-    """Whose plan was kept: the solver's (with its status) or a heuristic's fallback."""
-    notes = r.get("plan_notes") or []
-    fallback = next((n for n in notes if n.startswith("planner status: fallback")), None)
-    if fallback is not None:
-        return fallback.removeprefix("planner status: ").split(";")[0]
-    solver = next((n for n in notes if n.startswith("solver status")), None)
-    if solver is not None:
-        return "solver, " + solver.split(";")[0].removeprefix("solver status ")
-    if any(n.startswith("program order fits") for n in notes):
+    """Whose plan was kept: the solver's (with its status), a heuristic's fallback, the
+    program order, or a candidate the simulator put over the budget that compiled under."""
+    source = r.get("plan_source") or ""
+    if r.get("plan_fallback_reason"):
+        return f"fallback: {source} plan"
+    if r.get("plan_solver_status"):
+        return f"solver, {r['plan_solver_status']}"
+    if source == "program order":
         return "program order, not solved"
-    # "no plan fits: the lowest simulated peak is N B (name), over ...": the planner's
-    # status was over_budget and the compile found the plan under the budget
-    over = next((n for n in notes if n.startswith("no plan fits: ")), None)
-    if over is not None and "(" in over:
-        return f"{over.split('(')[1].split(')')[0]} plan, simulated over, compiled under"
-    return ""
+    predicted, budget = r.get("plan_predicted_peak_bytes"), r.get("budget_bytes")
+    if source and predicted is not None and budget is not None and predicted > budget:
+        return f"{source} plan, simulated over, compiled under"
+    return source
 
 
 def _mib(x: float | None) -> str:

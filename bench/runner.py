@@ -12,9 +12,11 @@ and cost figures of :class:`jaxmem.cost.measure.Report`, ``peak_ratio``,
 ``flops_ratio``, ``est_time_ratio`` and ``cpu_step_time_ratio`` (to ``none``
 of the same model), ``min_feasible_bytes`` (from an infeasible planner),
 ``elapsed_s`` (a planner's wall time: tracing, every verify round's planning
-and compiling, and measuring), ``plan_lower_bound``, ``plan_gap``,
-``plan_bound_unit`` and ``plan_notes`` (the accepted plan's own account: the
-solver's bound and gap, a fallback to a heuristic plan, the verify rounds),
+and compiling, and measuring), the accepted plan's own account: ``plan_lower_bound``,
+``plan_gap`` and ``plan_bound_unit`` (the solver's bound and gap), ``plan_source``,
+``plan_fallback_reason`` and ``plan_solver_status`` (who made the plan, why a
+fallback, the solver's status: :class:`jaxmem.plans.plan.Plan`),
+``plan_predicted_peak_bytes`` and ``plan_notes`` (for people),
 ``cpu_error``. ``solve_time_s`` is the wall time of every planner call of the
 verify loop. ``grads_match`` compares all outputs of the step (loss and
 gradients, or loss and the updated train state) bit for bit with ``none``'s
@@ -324,11 +326,15 @@ def _record(model: str, planner: str, kind: str, budget: Budget, budget_bytes: i
 
 def _plan_fields(plan: Any) -> dict[str, Any]:
     """What the accepted plan says of itself: the solver's bound and gap (on the planner's
-    objective, in ``plan_bound_unit``) and its notes (a fallback, the candidate chosen, the
-    verify rounds); ``None`` where no plan was accepted."""
+    objective, in ``plan_bound_unit``), who made it and why a fallback, its simulated
+    peak, and its notes (for people); ``None`` where no plan was accepted."""
     return {"plan_lower_bound": getattr(plan, "lower_bound", None),
             "plan_gap": getattr(plan, "gap", None),
             "plan_bound_unit": getattr(plan, "bound_unit", None),
+            "plan_source": getattr(plan, "source", None),
+            "plan_fallback_reason": getattr(plan, "fallback_reason", None),
+            "plan_solver_status": getattr(plan, "solver_status", None),
+            "plan_predicted_peak_bytes": getattr(plan, "predicted_peak_bytes", None),
             "plan_notes": None if plan is None else list(getattr(plan, "notes", ()))}
 
 

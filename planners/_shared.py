@@ -280,18 +280,21 @@ def finish(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *, planner
            remat: Mapping[int, tuple[int, ...]] | None = None,
            offload: Mapping[int, int] | None = None, status: str | None = None,
            lower_bound: float | None = None, notes: Iterable[str] = (),
-           log: logging.Logger | None = None, warn: bool = True) -> plan_lib.Plan:
+           log: logging.Logger | None = None, warn: bool = True,
+           fallback_reason: str = "") -> plan_lib.Plan:
     """The :class:`~jaxmem.plans.plan.Plan`, scored by the simulator and the cost model.
 
     ``status`` defaults to ``"ok"``; a plan whose simulated peak exceeds the
-    budget is always ``"over_budget"`` (any other status moves into the notes)
-    and a warning goes to ``log`` (the calling planner's logger) unless
-    ``warn`` is false (a trial plan of a search, which reports its own result).
+    budget is always ``"over_budget"`` (any other status moves into the notes;
+    ``fallback_reason``, the reason of a ``"fallback"``, stays on the plan) and a
+    line goes to ``log`` (the calling planner's logger) unless ``warn`` is false (a
+    trial plan of a search, which reports its own result).
     """
     order = tuple(graph.topo_order() if order is None else order)
     plan = plan_lib.Plan(order=order, remat=dict(remat or {}), offload=dict(offload or {}),
                          placement={}, planner=planner, budget_bytes=int(budget_bytes),
-                         predicted_peak_bytes=0, predicted_time_s=None)
+                         predicted_peak_bytes=0, predicted_time_s=None,
+                         fallback_reason=fallback_reason)
     sim = plan_lib.simulate_plan(graph, plan)
     notes = list(notes)
     notes.append(f"allocator estimate {sim.allocator_peak_bytes:,} B (best-fit, k="

@@ -57,7 +57,10 @@ How it runs, within ``time_limit_s``:
    shared estimate (:func:`jaxmem.planners._shared.estimate_time_s`) sets
    ``predicted_time_s``. The heuristic plans are scored the same way; the
    fastest plan that fits is returned (the solver's unless a heuristic beats
-   it: then ``status="fallback: ..."``). Nothing fits: ``"over_budget"``.
+   it: then status ``FALLBACK``, with ``Plan.fallback_reason``). Nothing fits:
+   ``OVER_BUDGET``. ``Plan.source`` names the candidate kept, ``Plan.candidates``
+   lists every candidate scored and ``Plan.solver_status`` is CP-SAT's status when
+   the solver's plan is kept.
    Up to two other fitting candidates within 10% of its estimate go along as
    ``Plan.alternatives``: the estimate is on the jaxpr, so the verify loop of
    :func:`jaxmem.optimize` compiles them and keeps the fastest by compiled time.
@@ -364,8 +367,8 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
       options: see the module docstring; unknown keys raise.
 
     Returns:
-      The plan, scored by the simulator; ``status`` is ``"ok"``,
-      ``"over_budget"`` or ``"fallback: <why>"``.
+      The plan, scored by the simulator; ``status`` is ``OK``, ``OVER_BUDGET`` or
+      ``FALLBACK`` (see :class:`jaxmem.plans.plan.Status`).
 
     Raises:
       ValueError: an unknown option or a bad value (the message names it).
@@ -381,9 +384,9 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
         return plain.plan.replace(
             predicted_peak_bytes=plain.peak_bytes, predicted_time_s=plain.time_s, status="ok",
             solve_time_s=time.perf_counter() - started, lower_bound=plain.time_s, gap=0.0,
-            bound_unit="s", notes=(f"program order fits ({plain.peak_bytes:,} B simulated): "
-                                   f"nothing to re-issue or offload, and no plan is estimated "
-                                   f"faster; not solved",))
+            bound_unit="s", source=plain.name,
+            notes=(f"program order fits ({plain.peak_bytes:,} B simulated): nothing to "
+                   f"re-issue or offload, and no plan is estimated faster; not solved",))
     # _choose scores the solver's plan as plain was scored: keep that much time for it
     score_s = time.perf_counter() - started
     heur = _heuristics(graph, budget_bytes, cost_model, opts, notes, plain, started)
@@ -432,6 +435,7 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
     the lowest-peak heuristic plans, and those compete too."""
     verify_budget_bytes = opts["verify_budget_bytes"]
     solver = None
+    solver_status = fallback_reason = ""
     if result is not None and result.schedule is not None:
         order, remat, offload = schedule_fields(c, result.schedule)
         plan = plan_lib.Plan(order=order, remat=remat, offload=offload, placement={},
@@ -459,11 +463,14 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
         if best is solver:
             status = "ok"
             assert result is not None
+            solver_status = result.status
             notes.append(f"solver status {result.status}; lower bound and gap are on the "
                          f"model's step time")
         elif solver is not None and best.name == _PLACED_NAME.format(solver.name):
             status = "ok"
             lower = gap = None
+            assert result is not None
+            solver_status = result.status
             notes.append(f"solver status {result.status} without state placement; with it, "
                          f"no bound (the solver does not place state)")
         else:
@@ -472,7 +479,7 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
                    if solver.peak_bytes > budget_bytes else
                    f"the solver's plan is estimated slower ({solver.time_s:.4g} s vs "
                    f"{best.time_s:.4g} s)")
-            status = f"fallback: {best.name} plan; {why}"
+            status, fallback_reason = "fallback", why
             lower = gap = None
     else:
         pool = ([solver] if solver else []) + heur
@@ -484,6 +491,8 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
                        f"{budget_bytes:,}", f"{best.peak_bytes:,}", best.name)
         if best is not solver:
             lower = gap = None
+        elif result is not None:
+            solver_status = result.status
     for s in ([solver] if solver else []) + heur:
         notes.append(f"candidate {s.name}: simulated peak {s.peak_bytes:,} B, estimated "
                      f"{s.time_s:.4g} s")
@@ -491,16 +500,19 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
                     if s.plan.decisions() != best.plan.decisions()],
                    budget_bytes, verify_budget_bytes, not fits, best.time_s)
     solver_own = None if solver is None or result is None else (
-        solver, *solver_bound, f"solver status {result.status}; lower bound and gap are on the "
-                            f"model's step time")
-    alternatives = _alternatives(best, fits, budget_bytes, started, notes, loose, solver_own)
+        solver, *solver_bound, result.status)
+    candidates = tuple(plan_lib.Candidate(s.name, s.peak_bytes, s.time_s)
+                       for s in ([solver] if solver else []) + heur)
+    alternatives = _alternatives(best, fits, budget_bytes, started, notes, loose, solver_own,
+                                 candidates)
     if alternatives:
         notes.append("alternatives for the verify loop to compile: " + ", ".join(
-            a.notes[-1].removeprefix("alternative: ") for a in alternatives))
+            a.source for a in alternatives))
     return best.plan.replace(
         alternatives=alternatives,
         planner=NAME, budget_bytes=budget_bytes, predicted_peak_bytes=best.peak_bytes,
-        predicted_time_s=best.time_s, status=status,
+        predicted_time_s=best.time_s, status=status, source=best.name,
+        fallback_reason=fallback_reason, solver_status=solver_status, candidates=candidates,
         solve_time_s=time.perf_counter() - started, lower_bound=lower, gap=gap,
         bound_unit="s", notes=tuple(notes))
 
@@ -562,11 +574,12 @@ def _loose(pool: list[_Scored], budget_bytes: int, given: int | None,
 
 def _alternatives(best: _Scored, fits: list[_Scored], budget_bytes: int, started: float,
                   notes: list[str], loose: list[tuple[_Scored, str]] = (),
-                  solver: tuple[_Scored, float | None, float | None, str] | None = None
+                  solver: tuple[_Scored, float | None, float | None, str] | None = None,
+                  candidates: tuple[plan_lib.Candidate, ...] = ()
                   ) -> tuple[plan_lib.Plan, ...]:
     """Other fitting candidates close to ``best`` in estimated time, fastest first; then
     ``loose`` (see :func:`_loose`). ``solver``: the solver's candidate with its lower
-    bound, gap and status note; as an alternative it keeps them (status ``"ok"``), where
+    bound, gap and CP-SAT status; as an alternative it keeps them (status ``"ok"``), where
     a heuristic's plan is a ``"fallback"``."""
     seen = {best.plan.decisions()}
     out = []
@@ -574,15 +587,17 @@ def _alternatives(best: _Scored, fits: list[_Scored], budget_bytes: int, started
     def add(s: _Scored, why: str) -> None:
         seen.add(s.plan.decisions())
         own = solver is not None and s is solver[0]
-        status, lower, gap, mine = (("ok", *solver[1:]) if own else
-                                    (f"fallback: {s.name} plan (an alternative)", None, None, ""))
+        status, lower, gap, solver_status = (("ok", *solver[1:]) if own else
+                                             ("fallback", None, None, ""))
         out.append(s.plan.replace(
             planner=NAME, budget_bytes=budget_bytes, predicted_peak_bytes=s.peak_bytes,
-            predicted_time_s=s.time_s, status=status,
+            predicted_time_s=s.time_s, status=status, source=s.name,
+            fallback_reason="" if own else "an alternative to the chosen plan",
+            solver_status=solver_status, candidates=candidates,
             solve_time_s=time.perf_counter() - started, lower_bound=lower, gap=gap,
-            bound_unit="s", notes=(*notes, *([mine] if mine else []),
-                                   f"alternative: {s.name} (simulated peak {s.peak_bytes:,} B, "
-                                   f"estimated {s.time_s:.4g} s{why})")))
+            bound_unit="s", notes=(*notes, f"alternative: {s.name} (simulated peak "
+                                           f"{s.peak_bytes:,} B, estimated {s.time_s:.4g} s"
+                                           f"{why})")))
 
     for s in sorted(fits, key=lambda s: (s.time_s, s.peak_bytes)):
         if len(out) == _ALTERNATIVES:

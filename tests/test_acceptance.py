@@ -71,10 +71,11 @@ def test_reduction_is_the_smallest_activation_within_each_overhead():
 
 
 def test_report_counts_the_points_and_names_fallbacks(tmp_path, capsys):
-    notes = ["planner status: fallback: blocks plan; the solver's plan is estimated slower"]
+    fallback = {"plan_source": "blocks",
+                "plan_fallback_reason": "the solver's plan is estimated slower"}
     records = [*PEERS, rec("cpsat", 600, "ok", 590, 10.9, solve_time_s=3.0, plan_gap=0.02,
-                           plan_notes=["solver status OPTIMAL; lower bound ..."]),
-               rec("cpsat", 500, "ok", 490, 13.5, solve_time_s=4.0, plan_notes=notes),
+                           plan_source="cpsat", plan_solver_status="OPTIMAL"),
+               rec("cpsat", 500, "ok", 490, 13.5, solve_time_s=4.0, **fallback),
                rec("cpsat", 200, "infeasible")]
     text = acceptance.report(records, fixed=lambda *key: 100 * MiB)
     assert "Won 1 of 2 points" in text
@@ -85,14 +86,13 @@ def test_report_counts_the_points_and_names_fallbacks(tmp_path, capsys):
 
 def test_a_plan_simulated_over_and_compiled_under_and_program_order_are_named():
     """The planner said over_budget (the verify loop then says ok): the kept plan is the
-    lowest-peak candidate its notes name (U-Net at its smallest feasible budget)."""
-    notes = ["no plan fits: the lowest simulated peak is 5,259,265,072 B (keep_matmuls_fit), "
-             "over the budget of 5,093,863,424 B"]
-    text = acceptance.report([*PEERS, rec("cpsat", 250, "ok", 240, 14.0, plan_notes=notes)],
+    lowest-peak candidate, its source (U-Net at its smallest feasible budget)."""
+    over = {"plan_source": "keep_matmuls_fit", "plan_predicted_peak_bytes": 251 * MiB}
+    text = acceptance.report([*PEERS, rec("cpsat", 250, "ok", 240, 14.0, **over)],
                              fixed=lambda *key: 100 * MiB)
     assert "| keep_matmuls_fit plan, simulated over, compiled under |" in text
-    fits = ["program order fits (990 B simulated): nothing to re-issue or offload, ..."]
-    text = acceptance.report([*PEERS, rec("cpsat", 1000, "ok", 1000, 10.0, plan_notes=fits)],
+    text = acceptance.report([*PEERS, rec("cpsat", 1000, "ok", 1000, 10.0,
+                                          plan_source="program order")],
                              fixed=lambda *key: 100 * MiB)
     assert "| program order, not solved |" in text
 

@@ -424,7 +424,7 @@ def test_over_budget_and_fallback_are_reported():
     # order's peak, so a heuristic plan that does is returned as a fallback
     budget = unplanned_peak(g) * 9 // 10
     planned = plan_cpsat(g, budget, H100, dict(FAST, max_nodes=1))
-    assert planned.status.startswith("fallback: ") and "no schedule" in planned.status
+    assert planned.status == "fallback" and "no schedule" in planned.fallback_reason
     assert planned.predicted_peak_bytes <= budget
     assert planned.lower_bound is None and planned.gap is None
 
@@ -545,7 +545,7 @@ def test_a_replan_hands_over_a_candidate_that_fits_the_budget_as_given():
     alone = plan_cpsat(g, tight, H100, FAST)
     assert alone.status == "over_budget" and not alone.alternatives
     plan = plan_cpsat(g, tight, H100, dict(FAST, verify_budget_bytes=given))
-    loose = [a for a in plan.alternatives if "within the budget as given" in a.notes[-1]]
+    loose = [a for a in plan.alternatives if a.predicted_peak_bytes > tight]
     assert len(loose) == 1
     peak = plan_lib.simulate_plan(g, loose[0]).peak_bytes
     assert loose[0].predicted_peak_bytes == peak and tight < peak <= given
@@ -592,13 +592,13 @@ def test_the_solvers_plan_handed_over_as_an_alternative_keeps_its_status_and_bou
         return _Scored(name=name, plan=plan, peak_bytes=peak, time_s=t)
 
     best, solver, other = cand("greedy", 90, 1.0), cand("cpsat", 80, 1.004), cand("chen", 70, 1.006)
-    note = "solver status FEASIBLE; lower bound and gap are on the model's step time"
     mine, theirs = _alternatives(best, [best, solver, other], 100, 0.0, [], (),
-                                 (solver, 0.9, 0.1, note))
+                                 (solver, 0.9, 0.1, "feasible"))
     assert (mine.status, mine.lower_bound, mine.gap) == ("ok", 0.9, 0.1)
-    assert note in mine.notes and mine.notes[-1].startswith("alternative: cpsat")
-    assert theirs.status == "fallback: chen plan (an alternative)"
-    assert theirs.lower_bound is None and theirs.gap is None and note not in theirs.notes
+    assert (mine.source, mine.solver_status, mine.fallback_reason) == ("cpsat", "feasible", "")
+    assert theirs.status == plan_lib.Status.FALLBACK and theirs.source == "chen"
+    assert theirs.fallback_reason and not theirs.solver_status
+    assert theirs.lower_bound is None and theirs.gap is None
 
 
 def test_the_heuristics_share_the_time_limit_and_those_not_reached_are_named(monkeypatch):
@@ -620,9 +620,10 @@ def test_the_heuristics_share_the_time_limit_and_those_not_reached_are_named(mon
     [skipped] = [n for n in plan.notes if n.startswith("heuristics skipped")]
     assert ran and ran[0].startswith("heuristic 'chen'")
     assert "'sublinear'" in skipped and "may not repeat exactly" in skipped
+    assert [c.name for c in plan.candidates if c.name != "cpsat"] == ["chen"]
     roomy = plan_cpsat(g, budget, H100, FAST)
     assert not any(n.startswith("heuristics skipped") for n in roomy.notes)
-    assert len([n for n in roomy.notes if n.startswith("heuristic '")]) == 9
+    assert len([c for c in roomy.candidates if c.name != "cpsat"]) == 9
 
 
 def test_the_solves_deterministic_budgets_do_not_depend_on_the_clock(monkeypatch):

@@ -367,7 +367,7 @@ def _remat_all_or_nothing(g, budget, cost_model, name):
     from jaxmem.plans import plan as plan_lib
 
     nothing = plan_lib.unplanned(g)
-    nothing = nothing.replace(notes=("alternative: nothing re-issued",),
+    nothing = nothing.replace(source="nothing re-issued",
                               predicted_peak_bytes=plan_lib.simulate_plan(g, nothing).peak_bytes)
     return greedy.split_every(g, cost_model, "remat").replace(
         planner=name, budget_bytes=budget, alternatives=(nothing,))
@@ -462,8 +462,8 @@ def test_alternatives_are_compiled_and_the_fastest_fitting_plan_is_kept(monkeypa
     assert plan_lib.Plan.from_json(verified.plan.to_json()) == verified.plan
 
 
-def test_a_planners_fallback_survives_verification_in_the_notes(monkeypatch):
-    """The verified plan's status says whether it fits; the planner's "fallback: ..." stays."""
+def test_a_planners_fallback_survives_verification(monkeypatch):
+    """The verified plan's status says whether it fits; the planner's fallback reason stays."""
     from jaxmem.plans import plan as plan_lib
 
     def falls_back(g, budget, cost_model, options):
@@ -477,8 +477,7 @@ def test_a_planners_fallback_survives_verification_in_the_notes(monkeypatch):
         budget="1GiB", target="h100", planner="falls_back", verify_rounds=1))
     verified = step.verified(params, x)
     assert verified.plan.status == "ok"
-    assert verified.plan.notes[0] == ("planner status: fallback: heuristic plan; the solver "
-                                      "found no schedule")
+    assert verified.plan.fallback_reason == "heuristic plan; the solver found no schedule"
 
 
 def test_an_over_budget_rounds_alternative_is_compiled_before_tightening(monkeypatch):

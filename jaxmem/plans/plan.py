@@ -33,6 +33,7 @@ hands it to the simulator, so what is simulated is what is emitted.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import types
@@ -43,8 +44,46 @@ from jaxmem.units import format_bytes
 
 Placement = Literal["device", "pinned_host"]
 PLACEMENTS: tuple[str, ...] = ("device", "pinned_host")
-STATUSES: tuple[str, ...] = ("ok", "over_budget", "infeasible", "timeout", "fallback")
 BOUND_UNITS: tuple[str, ...] = ("bytes", "s")
+
+
+
+class Status(str, enum.Enum):
+    """Where a plan stands against its budget. A ``str``: ``plan.status == "ok"`` holds.
+
+    ``OK``: within the budget (simulated; once verified, as compiled). ``OVER_BUDGET``:
+    the lowest plan found is over it. ``INFEASIBLE``: the planner proved that no plan of
+    its kind fits. ``TIMEOUT``: the planner ran out of time without a plan of its own.
+    ``FALLBACK``: the planner's own method gave no usable plan, and the plan is another
+    method's (:attr:`Plan.source` names it, :attr:`Plan.fallback_reason` says why).
+    """
+
+    OK = "ok"
+    OVER_BUDGET = "over_budget"
+    INFEASIBLE = "infeasible"
+    TIMEOUT = "timeout"
+    FALLBACK = "fallback"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STATUSES: tuple[str, ...] = tuple(s.value for s in Status)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A plan a planner scored before choosing one (``cpsat``: its solver's and each
+    heuristic's), by the planner's name for it, its simulated peak and estimated time."""
+
+    name: str
+    peak_bytes: int
+    time_s: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peak_bytes", int(self.peak_bytes))
+        object.__setattr__(self, "time_s", float(self.time_s))
+
 
 # Fields that are not decisions: kept out of JSON (and of equality).
 _NOT_IN_JSON = frozenset({"graph", "alternatives"})
@@ -93,8 +132,9 @@ class Plan:
       budget_bytes: the device budget the planner aimed at.
       predicted_peak_bytes: the simulated device peak of the plan.
       predicted_time_s: the cost model's step-time estimate, if any.
-      status: ``"ok"``, ``"over_budget"``, ``"infeasible"``, ``"timeout"`` or
-        ``"fallback: <why>"``.
+      status: a :class:`Status` (a ``str``: ``"ok"``, ``"over_budget"``, ...); given
+        as ``"fallback: <why>"``, it is ``Status.FALLBACK`` with ``<why>`` as the
+        :attr:`fallback_reason`.
       solve_time_s: wall time the planner took.
       lower_bound: a proven lower bound on the planner's objective, if it has
         one, in ``bound_unit``: the peak in bytes for planners that minimize
@@ -105,7 +145,17 @@ class Plan:
       block_decisions: for steps whose repeated blocks use :func:`jaxmem.remat`
         (or ``planned_policy()``), residual name -> ``"save"`` / ``"remat"`` /
         ``"offload"`` inside those blocks (:meth:`to_policy`); empty otherwise.
-      notes: free-form lines the planner wants the user to see.
+      notes: free-form lines the planner wants the user to see (for people: nothing
+        reads them; what a program needs is in the fields).
+      source: what made the decisions, for a planner that scores several candidates
+        and keeps one (``cpsat``): ``"cpsat"`` for its solver, a heuristic's registry
+        name (``"blocks:dots"``, ``"chen"``), ``"program order"``; empty for a planner
+        whose plans are all its own.
+      fallback_reason: why the planner's own method's plan was not kept, when
+        ``status`` is ``FALLBACK`` (or kept as an alternative); empty otherwise.
+      solver_status: the solver's status (CP-SAT's ``OPTIMAL`` or ``FEASIBLE``) when
+        the solver made the plan; empty otherwise.
+      candidates: the plans the planner scored before choosing (:class:`Candidate`).
       compiled_bytes: the device bytes of the plan compiled for its target
         (temp + arguments + outputs - aliased, from XLA's memory analysis) when
         the verify loop of :func:`jaxmem.optimize` compiled it; ``None`` for a
@@ -130,7 +180,7 @@ class Plan:
     budget_bytes: int
     predicted_peak_bytes: int
     predicted_time_s: float | None
-    status: str = "ok"
+    status: "Status | str" = Status.OK
     solve_time_s: float = 0.0
     lower_bound: float | None = None
     gap: float | None = None
@@ -139,6 +189,10 @@ class Plan:
     block_decisions: Mapping[str, str] = dataclasses.field(default_factory=dict)
     host_update: tuple[int, ...] = ()
     compiled_bytes: int | None = None
+    source: str = ""
+    fallback_reason: str = ""
+    solver_status: str = ""
+    candidates: tuple[Candidate, ...] = ()
     graph: Any = dataclasses.field(default=None, compare=False, repr=False)
     alternatives: tuple["Plan", ...] = dataclasses.field(default=(), compare=False, repr=False)
 
@@ -162,9 +216,16 @@ class Plan:
             set_("compiled_bytes", int(self.compiled_bytes))
         if self.bound_unit not in BOUND_UNITS:
             raise ValueError(f"plan bound_unit {self.bound_unit!r} is not one of {BOUND_UNITS}")
-        if self.status not in STATUSES and not self.status.startswith("fallback"):
+        status, reason = str(self.status), self.fallback_reason
+        if status.startswith("fallback: "):
+            status, reason = "fallback", reason or status.removeprefix("fallback: ")
+        if status not in STATUSES:
             raise ValueError(f"plan status {self.status!r} is not one of {STATUSES} (or "
                              f"'fallback: <why>')")
+        set_("status", Status(status))
+        set_("fallback_reason", str(reason))
+        set_("candidates", tuple(c if isinstance(c, Candidate) else Candidate(**c)
+                                 for c in self.candidates))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Plan):
@@ -183,11 +244,14 @@ class Plan:
             "placement": {str(k): v for k, v in self.placement.items()},
             "planner": self.planner, "budget_bytes": self.budget_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
-            "predicted_time_s": self.predicted_time_s, "status": self.status,
+            "predicted_time_s": self.predicted_time_s, "status": self.status.value,
             "solve_time_s": self.solve_time_s, "lower_bound": self.lower_bound, "gap": self.gap,
             "notes": list(self.notes), "bound_unit": self.bound_unit,
             "block_decisions": dict(self.block_decisions),
             "host_update": list(self.host_update), "compiled_bytes": self.compiled_bytes,
+            "source": self.source, "fallback_reason": self.fallback_reason,
+            "solver_status": self.solver_status,
+            "candidates": [dataclasses.asdict(c) for c in self.candidates],
         }
 
     def to_json(self) -> str:
@@ -217,12 +281,17 @@ class Plan:
             data.setdefault("block_decisions", {})
             data.setdefault("host_update", [])
             data.setdefault("compiled_bytes", None)
+            data.setdefault("source", "")
+            data.setdefault("fallback_reason", "")
+            data.setdefault("solver_status", "")
+            data.setdefault("candidates", [])
         if not isinstance(data, dict) or set(data) != fields:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"not a jaxmem plan: expected a JSON object with keys "
                              f"{sorted(fields)}, got {got}")
         _check_json_types(data)
         data["notes"] = tuple(data["notes"])
+        data["candidates"] = tuple(Candidate(**c) for c in data["candidates"])
         return cls(**data)
 
     # ### Reading
@@ -292,6 +361,10 @@ class Plan:
         graph = self.graph if graph is None else graph
         lines = [f"Plan by {self.planner}: status {self.status} ({self._status_basis()}), "
                  f"solved in {self.solve_time_s:.3f} s"]
+        if self.source:
+            solver = f" ({self.solver_status})" if self.solver_status else ""
+            why = f"; {self.fallback_reason}" if self.fallback_reason else ""
+            lines.append(f"  made by: {self.source}{solver}{why}")
 
         def share(n: int) -> str:
             return (f" ({100.0 * n / self.budget_bytes:.0f}% of budget)"
@@ -385,6 +458,14 @@ def _check_json_types(data: dict[str, Any]) -> None:
         "host_update": (ints, "a list of tensor ids"),
         "planner": (lambda v: isinstance(v, str), "a string"),
         "status": (lambda v: isinstance(v, str), "a string"),
+        "source": (lambda v: isinstance(v, str), "a string"),
+        "fallback_reason": (lambda v: isinstance(v, str), "a string"),
+        "solver_status": (lambda v: isinstance(v, str), "a string"),
+        "candidates": (lambda v: isinstance(v, list) and all(
+            isinstance(c, dict) and set(c) == {"name", "peak_bytes", "time_s"}
+            and isinstance(c["name"], str) and _is(c["peak_bytes"], _INT)
+            and _is(c["time_s"], _NUMBER) for c in v),
+            "a list of {name, peak_bytes, time_s} objects"),
         "bound_unit": (lambda v: isinstance(v, str), "a string"),
         "budget_bytes": (lambda v: _is(v, _INT), "an int"),
         "compiled_bytes": (lambda v: v is None or _is(v, _INT), "an int or null"),

@@ -29,7 +29,7 @@ from jaxmem.config import DEFAULT_PLAN_CACHE
 logger = logging.getLogger(__name__)
 
 # Bumped whenever the Plan format or the planners change what they would return.
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 
 
 def fingerprint(program_text: str, *parts: Any) -> str:

@@ -281,10 +281,9 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         best, ranking = _rank_alternatives(best, rounds, built, budget, target, seen,
                                            compile_round)
     chosen = rounds[best]
-    # The verified status replaces the planner's; a fallback it reported stays in the notes.
-    fell_back = (() if chosen.plan.status in ("ok", "over_budget") else
-                 (f"planner status: {chosen.plan.status}",))
-    notes = (*fell_back, *(made[0][1] if made else ()), *chosen.plan.notes, *ranking,
+    # The verified status replaces the planner's; a fallback it reported stays in its
+    # fallback_reason and source.
+    notes = (*(made[0][1] if made else ()), *chosen.plan.notes, *ranking,
              *out_of_time,
              f"verified on {target.name}: {format_bytes(chosen.compiled_bytes)} device + "
              f"{format_bytes(chosen.host_bytes)} host compiled, round {best + 1} of "
@@ -435,7 +434,7 @@ def _alternative_fits(plan: plan_lib.Plan, planner_budget: int, budget: int, see
         seen.add(decisions)
         dev, host = compile_round(alt, planner_budget)
         logger.info("alternative %s: compiled %s device + %s host (budget %s)",
-                    alt.notes[-1].removeprefix("alternative: ") if alt.notes else "?",
+                    alt.source or alt.planner,
                     format_bytes(dev), format_bytes(host), format_bytes(budget))
         if dev <= budget:
             return True
@@ -464,8 +463,9 @@ def _rank_alternatives(first: int, rounds: list[Round], built: list[tuple[Any, A
     best = min(fitting, key=lambda i: (times[i], rounds[i].compiled_bytes))
 
     def label(i: int) -> str:
-        last = rounds[i].plan.notes[-1] if rounds[i].plan.notes else ""
-        return last if last.startswith("alternative: ") else f"round {i + 1}"
+        plan = rounds[i].plan
+        alternative = any(plan is alt for r in rounds for alt in r.plan.alternatives)
+        return f"alternative: {plan.source}" if alternative else f"round {i + 1}"
 
     lines = [f"{label(i)}: {format_bytes(rounds[i].compiled_bytes)}, {times[i] * 1e3:.4g} ms"
              for i in fitting]

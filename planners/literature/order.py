@@ -488,7 +488,8 @@ def order_ilp(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     tuned, keep_why = _worth_it(prob, tuned, opts["min_gain"])
     notes.extend([keep_why] if keep_why else [])
     return finish(graph, budget_bytes, cost_model, planner="order_ilp", started=started,
-                  order=tuned, status=f"fallback: {why}; kept {kept}, fine-tuned",
+                  order=tuned, status="fallback",
+                  fallback_reason=f"{why}; kept {kept}, fine-tuned",
                   lower_bound=bound, notes=notes, log=logger)
 
 
