@@ -28,13 +28,15 @@ from jaxmem.analysis.simulate import predict_peak_bytes as predict_peak_bytes
 from jaxmem.config import Config as Config
 from jaxmem.cost import profile as profile
 from jaxmem.cost.measure import Report as Report, measure as measure
-from jaxmem.errors import InfeasibleBudgetError as InfeasibleBudgetError
+from jaxmem.errors import (
+    InfeasibleBudgetError as InfeasibleBudgetError,
+    UnsupportedConstructError as UnsupportedConstructError,
+)
 from jaxmem.optimize import optimize as optimize
 from jaxmem.pareto import Point as Point, frontier as frontier, pareto as pareto
 from jaxmem.planners.scanplan import plan_blocks as plan_blocks
 from jaxmem.plans.plan import Plan as Plan
 from jaxmem.tracing.blocks import planned_policy as planned_policy, remat as remat
 from jaxmem.tracing.policy import to_policy as to_policy, use_decisions as use_decisions
-from jaxmem.tracing.trace import UnsupportedConstructError as UnsupportedConstructError
 
 __version__ = "0.1.0.dev0"

@@ -1,4 +1,5 @@
-"""Errors jaxmem raises where the user has to decide something.
+"""Errors jaxmem raises where the user has to decide something: a budget no plan fits, a
+construct the analysis refuses, blocks without names to decide on.
 
 >>> from jaxmem.errors import InfeasibleBudgetError
 >>> err = InfeasibleBudgetError(budget_bytes=1 << 20, best_compiled_bytes=3 << 20,
@@ -97,3 +98,11 @@ class InfeasibleBudgetError(ValueError):
         return (type(self), (self.budget_bytes, self.best_compiled_bytes,
                              self.min_feasible_bytes, self.detail, self.planner,
                              self.floor_bytes, self.undonated))
+
+
+class UnsupportedConstructError(ValueError):
+    """The step uses a construct the analysis refuses (the message names it and the line)."""
+
+
+class NoNamesError(ValueError):
+    """The step's forward pass has no checkpoint names to decide on (``plan_blocks``)."""

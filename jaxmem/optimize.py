@@ -60,6 +60,7 @@ from jaxmem._arguments import (
 from jaxmem.analysis import graph as graph_lib
 from jaxmem.config import Config
 from jaxmem.cost.profile import planning_cost_model
+from jaxmem.errors import UnsupportedConstructError
 from jaxmem.plans import plan as plan_lib
 from jaxmem.tracing import blocks as blocks_lib, trace as trace_lib
 from jaxmem.verify import cache as cache_lib
@@ -495,7 +496,7 @@ class Optimized:
                 if block_plan is not None:  # trace again under the blocks' decision table
                     program = trace_lib.trace(rebuild, *dyn, donate_argnums=rebuild.donated)
             graph = graph_lib.analyse(program, target.name)
-        except trace_lib.UnsupportedConstructError as err:
+        except UnsupportedConstructError as err:
             self._counters["fallbacks"] += 1
             logger.warning("jaxmem.optimize(%s): %s -- running the step unplanned (plain "
                            "jax.jit)", rebuild.__name__, err)

@@ -38,10 +38,9 @@ from jaxmem._arguments import abstract_args
 from jaxmem.config import Config, parse_bytes
 from jaxmem.cost.measure import Report, report
 from jaxmem.cost.profile import planning_cost_model
-from jaxmem.errors import InfeasibleBudgetError
+from jaxmem.errors import InfeasibleBudgetError, UnsupportedConstructError
 from jaxmem.optimize import Optimized, _NnxOptimized, optimize
 from jaxmem.plans import plan as plan_lib
-from jaxmem.tracing import trace as trace_lib
 from jaxmem.units import format_bytes
 from jaxmem.verify.loop import effective_config, verify
 
@@ -198,7 +197,7 @@ def _sweep_all(opt: Optimized, args: tuple[Any, ...], kwargs: dict[str, Any],
     else:
         try:
             sweep.graph = opt._graph(dyn, rebuild, target)
-        except trace_lib.UnsupportedConstructError as err:
+        except UnsupportedConstructError as err:
             logger.warning("pareto(%s): %s -- every point is the unplanned step", rebuild.__name__,
                            err)
             sweep.fallback = str(err)

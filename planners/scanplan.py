@@ -54,6 +54,7 @@ from jaxmem.analysis.graph import MemGraph, analyse
 from jaxmem.analysis.simulate import simulate
 from jaxmem.cost.blockcost import eqns_flops, forward_names, scan_bodies
 from jaxmem.cost.costmodel import CostModel
+from jaxmem.errors import NoNamesError
 from jaxmem.tracing import policy as _policy
 from jaxmem.tracing.trace import Program, trace
 
@@ -64,10 +65,6 @@ _NO_NAMES = (
     "to decide. Fix: wrap the repeated block in jaxmem.remat (it names every dot output), "
     "or tag tensors with jax.ad_checkpoint.checkpoint_name inside a block wrapped in "
     "nn.remat(..., policy=jaxmem.planned_policy()).")
-
-
-class NoNamesError(ValueError):
-    """The step's forward pass has no checkpoint names to decide on."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,8 @@ import optax
 import pytest
 from jax.extend import core as jcore
 
-from jaxmem.tracing.trace import INLINED_PRIMITIVES, UnsupportedConstructError, infer_role, trace
+from jaxmem.errors import UnsupportedConstructError
+from jaxmem.tracing.trace import INLINED_PRIMITIVES, infer_role, trace
 
 
 @jax.custom_jvp

@@ -32,6 +32,7 @@ import jax
 from jax.extend import core as jcore, source_info_util
 
 from jaxmem import _compat
+from jaxmem.errors import UnsupportedConstructError
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +74,6 @@ _UNSUPPORTED = (
     "scan/while/cond (analysed per body). Fix: move the construct out of the train step "
     "or replace it as suggested."
 )
-
-
-class UnsupportedConstructError(ValueError):
-    """The step uses a construct the analysis refuses (the message names it and the line)."""
 
 
 @dataclasses.dataclass(frozen=True)

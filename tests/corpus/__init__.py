@@ -163,7 +163,7 @@ def run_case(name: str, planner: str, budget: str, time_limit_s: float = TIME_LI
 
     import jaxmem
     from jaxmem import emit
-    from jaxmem.tracing.trace import UnsupportedConstructError
+    from jaxmem.errors import UnsupportedConstructError
 
     started = time.perf_counter()
     plan = None
