@@ -12,15 +12,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from steps import same_bits
 
 import jaxmem
 
 CPU = jaxmem.Config(budget="1GiB", target="cpu", planner="greedy")
-
-
-def _same(a, b) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(y))
-               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
 
 
 def step(weights, batch):
@@ -103,7 +99,7 @@ def test_threads_calling_a_new_signature_at_once_plan_it_once():
     for t in threads:
         t.join()
     assert not errors, errors
-    assert all(_same(r, expected) for r in results)
+    assert all(same_bits(r, expected) for r in results)
     info, single = together.cache_info(), alone.cache_info()
     assert (info.entries, info.plans, info.compiles) == (1, single.plans, single.compiles)
     assert info.plans == 1
@@ -145,7 +141,7 @@ def test_a_jax_jit_step_keeps_its_static_and_donated_arguments():
     assert 2 in optimized.static_argnums and 0 in optimized.donate_argnums
     w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
     expected = jax.jit(scaled_step, static_argnums=2)(w, x, 3)
-    assert _same(optimized(jnp.ones((4, 4)), x, 3), expected)
+    assert same_bits(optimized(jnp.ones((4, 4)), x, 3), expected)
     assert optimized.verified(jnp.ones((4, 4)), x, 3).graph.program.donated[0]
 
 
@@ -154,7 +150,7 @@ def test_an_nnx_jit_step_runs_and_keeps_its_static_arguments():
     optimized = jaxmem.optimize(wrapped, config=CPU)
     assert optimized.__name__ == "scaled_step" and 2 in optimized.static_argnums
     w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
-    assert _same(optimized(w, x, 3), wrapped(w, x, 3))
+    assert same_bits(optimized(w, x, 3), wrapped(w, x, 3))
 
 
 def _model_and_optimizer():
@@ -174,11 +170,11 @@ def test_an_nnx_jit_step_updates_its_module_and_optimizer_in_place_as_nnx_jit_do
     model, opt = _model_and_optimizer()
     plain, optimized = nnx.jit(train_step), jaxmem.optimize(nnx.jit(train_step), config=CPU)
     assert optimized.plan(model, opt, x).status == "ok"  # traced and planned before any call
-    assert _same(nnx.state(model), nnx.state(reference))  # .plan() changes nothing
+    assert same_bits(nnx.state(model), nnx.state(reference))  # .plan() changes nothing
     for _ in range(3):
-        assert _same(optimized(model, opt, x), plain(reference, ref_opt, x))
-    assert _same(nnx.state(model), nnx.state(reference))
-    assert _same(nnx.state(opt), nnx.state(ref_opt))
+        assert same_bits(optimized(model, opt, x), plain(reference, ref_opt, x))
+    assert same_bits(nnx.state(model), nnx.state(reference))
+    assert same_bits(nnx.state(opt), nnx.state(ref_opt))
     assert optimized.verified(model, opt, x).plan.status == "ok"
     assert optimized.cache_info().entries == 1
 

@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from test_placement import _case as placement_case
+from steps import zoo_case
 
 from jaxmem import emit, targets
 from jaxmem.cost import hlo
@@ -22,7 +22,7 @@ HOST_THREAD = 'execution_thread="host"'
 
 def _case(name: str, target: str = "cpu"):
     """test_placement's traced zoo step, and its optimizer-state inputs that can be placed."""
-    zs, args, graph = placement_case(name, target)
+    zs, args, graph = zoo_case(name, target)
     moments = [t for t in placement.candidates(graph) if graph.tensors[t].role == "opt_state"]
     return zs, args, graph, moments
 

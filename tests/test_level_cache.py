@@ -12,8 +12,8 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from steps import same_bits
 
 import jaxmem
 from jaxmem import level as level_lib
@@ -42,11 +42,6 @@ def _concrete_args(seed=0):
     params = [(jax.random.normal(keys[2 * i], (16, 32)) / 16,
                jax.random.normal(keys[2 * i + 1], (32, 16)) / 32) for i in range(2)]
     return params, jax.random.normal(keys[-1], (8, 16))
-
-
-def _same(a, b) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(y))
-               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
 
 
 TIGHT = jaxmem.Config(budget="6MiB", target="h100")
@@ -84,7 +79,7 @@ def test_level_0_is_plain_jit(monkeypatch):
     monkeypatch.setenv("JAXMEM_LEVEL", "0")
     params, x = _concrete_args()
     step = jaxmem.optimize(jax.grad(_loss), config=jaxmem.Config(budget=4096, target="cpu"))
-    assert _same(step(params, x), jax.jit(jax.grad(_loss))(params, x))  # 4 KiB would not fit
+    assert same_bits(step(params, x), jax.jit(jax.grad(_loss))(params, x))  # 4 KiB would not fit
     info = step.cache_info()
     assert (info.plans, info.compiles, info.planning_s) == (0, 0, 0.0)
     with pytest.raises(RuntimeError, match="JAXMEM_LEVEL=0"):
@@ -139,7 +134,7 @@ def test_a_warm_cache_skips_the_planner(tmp_path, monkeypatch, caplog):
     assert len(list(tmp_path.glob("*.json"))) == 1
     warm = _cached_step(tmp_path)
     with caplog.at_level(logging.INFO, logger="jaxmem.verify.cache"):
-        assert _same(warm(params, x), expected)
+        assert same_bits(warm(params, x), expected)
     info = warm.cache_info()
     assert (info.plans, info.disk_hits, info.compiles, info.planning_s) == (0, 1, 1, 0.0)
     assert "plan cache: loaded" in caplog.text

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from steps import same_bits
 
 import jaxmem
 
@@ -74,12 +75,7 @@ def _batch(seed=0):
 
 
 def _same_state(a, b) -> bool:
-    def data(x):
-        return np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
-            x.dtype, jax.dtypes.prng_key) else x)
-
-    la, lb = jax.tree_util.tree_leaves(nnx.state(a)), jax.tree_util.tree_leaves(nnx.state(b))
-    return len(la) == len(lb) and all(np.array_equal(data(x), data(y)) for x, y in zip(la, lb))
+    return same_bits(nnx.state(a), nnx.state(b))
 
 
 def _trains_as_nnx_jit(optimized, steps=3):

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from steps import mlp_args, mlp_loss, same_bits
 
 import jaxmem
 from jaxmem.config import parse_bytes
@@ -15,25 +16,6 @@ from jaxmem.errors import InfeasibleBudgetError
 
 MiB = 1 << 20
 CPU_1GIB = jaxmem.Config(budget="1GiB", target="cpu")
-
-
-def _mlp_loss(params, x):
-    for w1, w2 in params:
-        x = x + jax.nn.gelu(x @ w1) @ w2
-    return jnp.sum(x ** 2)
-
-
-def _mlp_args(layers=3, batch=32, width=16, hidden=64, seed=0):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 2 * layers + 1)
-    params = [(jax.random.normal(keys[2 * i], (width, hidden)) / width,
-               jax.random.normal(keys[2 * i + 1], (hidden, width)) / hidden)
-              for i in range(layers)]
-    return params, jax.random.normal(keys[-1], (batch, width))
-
-
-def _same(a, b) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(y))
-               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
 
 
 ### Config
@@ -71,57 +53,57 @@ def test_invalid_config_values_are_named(kwargs, message):
 
 
 def test_bare_and_with_arguments_give_the_plain_results():
-    params, x = _mlp_args()
-    plain = jax.jit(jax.grad(_mlp_loss))(params, x)
+    params, x = mlp_args()
+    plain = jax.jit(jax.grad(mlp_loss))(params, x)
 
     @jaxmem.optimize
     def bare(params, x):
-        return jax.grad(_mlp_loss)(params, x)
+        return jax.grad(mlp_loss)(params, x)
 
     @jaxmem.optimize(config=CPU_1GIB)
     def configured(params, x):
-        return jax.grad(_mlp_loss)(params, x)
+        return jax.grad(mlp_loss)(params, x)
 
-    assert _same(configured(params, x), plain)
-    assert _same(bare(params, x), plain)
+    assert same_bits(configured(params, x), plain)
+    assert same_bits(bare(params, x), plain)
     assert configured.__wrapped__.__name__ == "configured"
 
 
 def test_same_shapes_plan_and_compile_once():
-    params, x = _mlp_args()
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=CPU_1GIB)
+    params, x = mlp_args()
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=CPU_1GIB)
     first = step(params, x)
     second = step(params, x)
-    assert _same(first, second)
+    assert same_bits(first, second)
     info = step.cache_info()
     assert (info.entries, info.plans, info.compiles) == (1, 1, 1)
-    step(*_mlp_args(batch=16))
+    step(*mlp_args(batch=16))
     assert step.cache_info().entries == 2
 
 
 def test_plan_and_lower_without_running():
-    params, x = _mlp_args()
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=CPU_1GIB)
+    params, x = mlp_args()
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=CPU_1GIB)
     plan = step.plan(params, x)
     assert isinstance(plan, jaxmem.Plan) and plan.status == "ok"
     assert step.cache_info().compiles == 0
     lowered = step.lower(params, x)
     assert isinstance(lowered, jax.stages.Lowered)
-    assert _same(lowered.compile()(params, x), jax.jit(jax.grad(_mlp_loss))(params, x))
+    assert same_bits(lowered.compile()(params, x), jax.jit(jax.grad(mlp_loss))(params, x))
 
 
 def test_static_and_donated_arguments():
-    params, x = _mlp_args()
+    params, x = mlp_args()
 
     @jaxmem.optimize(config=CPU_1GIB, static_argnums=(2,), donate_argnums=(0,))
     def step(params, x, scale):
-        grads = jax.grad(_mlp_loss)(params, x)
+        grads = jax.grad(mlp_loss)(params, x)
         return jax.tree_util.tree_map(lambda p, g: p - scale * g, params, grads)
 
     expected = jax.jit(step.__wrapped__, static_argnums=(2,))(params, x, 0.1)
     fresh = jax.tree_util.tree_map(jnp.copy, params)
     out = step(fresh, x, 0.1)
-    assert _same(out, expected)
+    assert same_bits(out, expected)
     assert all(p.is_deleted() for p in jax.tree_util.tree_leaves(fresh))
     step(jax.tree_util.tree_map(jnp.copy, params), x, 0.2)
     assert step.cache_info().entries == 2
@@ -130,13 +112,13 @@ def test_static_and_donated_arguments():
 
 
 def test_static_argnames_and_keyword_arguments():
-    params, x = _mlp_args()
+    params, x = mlp_args()
 
     @jaxmem.optimize(config=CPU_1GIB, static_argnames="power")
     def step(params, x, *, power):
-        return jax.grad(lambda p: _mlp_loss(p, x) ** power)(params)
+        return jax.grad(lambda p: mlp_loss(p, x) ** power)(params)
 
-    assert _same(step(params, x, power=2), jax.jit(step.__wrapped__, static_argnames="power")(
+    assert same_bits(step(params, x, power=2), jax.jit(step.__wrapped__, static_argnames="power")(
         params, x, power=2))
 
 
@@ -147,13 +129,13 @@ def test_methods_are_planned_per_instance():
 
         @jaxmem.optimize(config=CPU_1GIB)
         def grads(self, params, x):
-            return jax.grad(lambda p: self.scale * _mlp_loss(p, x))(params)
+            return jax.grad(lambda p: self.scale * mlp_loss(p, x))(params)
 
-    params, x = _mlp_args()
+    params, x = mlp_args()
     one, two = Trainer(1.0), Trainer(2.0)
     g1, g2 = one.grads(params, x), two.grads(params, x)
-    assert _same(g1, jax.jit(jax.grad(_mlp_loss))(params, x))
-    assert not _same(g1, g2)
+    assert same_bits(g1, jax.jit(jax.grad(mlp_loss))(params, x))
+    assert not same_bits(g1, g2)
     assert isinstance(one.grads.plan(params, x), jaxmem.Plan)
 
 
@@ -165,9 +147,9 @@ def test_measure_reports_the_planned_step():
     params = [(jax.ShapeDtypeStruct((256, 1024), jnp.float32),
                jax.ShapeDtypeStruct((1024, 256), jnp.float32)) for _ in range(3)]
     args = t.place((params, jax.ShapeDtypeStruct((2048, 256), jnp.float32)))
-    plain = jaxmem.measure(jax.grad(_mlp_loss), *args, target="h100")
+    plain = jaxmem.measure(jax.grad(mlp_loss), *args, target="h100")
     budget = int(0.6 * plain.device_bytes)
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=jaxmem.Config(
         budget=budget, target="h100", planner="greedy"))
     report = step.measure(*args)
     verified = step.verified(*args)
@@ -199,8 +181,8 @@ def test_unsupported_constructs_run_unplanned_with_a_warning(caplog):
 
 
 def test_a_budget_below_anything_reachable_raises():
-    params, x = _mlp_args()
-    step = jaxmem.optimize(jax.grad(_mlp_loss),
+    params, x = mlp_args()
+    step = jaxmem.optimize(jax.grad(mlp_loss),
                            config=jaxmem.Config(budget=4096, target="cpu", verify_rounds=2))
     with pytest.raises(InfeasibleBudgetError) as info:
         step(params, x)
@@ -214,9 +196,9 @@ def test_a_budget_below_anything_reachable_raises():
 
 @pytest.mark.parametrize("bitwise", [True, False])
 def test_a_16_bit_step_over_budget_names_bitwise_when_it_is_on(bitwise):
-    params, x = _mlp_args()
+    params, x = mlp_args()
     params = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params)
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=jaxmem.Config(
         budget=4096, target="cpu", verify_rounds=1, bitwise=bitwise))
     with pytest.raises(InfeasibleBudgetError) as info:
         step(params, x.astype(jnp.bfloat16))
@@ -224,12 +206,12 @@ def test_a_16_bit_step_over_budget_names_bitwise_when_it_is_on(bitwise):
 
 
 def test_warn_runs_the_best_plan(caplog):
-    params, x = _mlp_args()
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+    params, x = mlp_args()
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=jaxmem.Config(
         budget=4096, target="cpu", verify_rounds=2, on_over_budget="warn"))
     with caplog.at_level(logging.WARNING, logger="jaxmem.optimize"):
         out = step(params, x)
-    assert _same(out, jax.jit(jax.grad(_mlp_loss))(params, x))
+    assert same_bits(out, jax.jit(jax.grad(mlp_loss))(params, x))
     assert "no plan fits" in caplog.text
     assert step.plan(params, x).status == "over_budget"
 
@@ -241,13 +223,13 @@ def test_mlp_bench_offload_only_fits_200_mib_on_h100():
     params = [(jax.ShapeDtypeStruct((256, 1024), jnp.float32),
                jax.ShapeDtypeStruct((1024, 256), jnp.float32)) for _ in range(8)]
     args = t.place((params, jax.ShapeDtypeStruct((8192, 256), jnp.float32)))
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=jaxmem.Config(
         budget="200MiB", target="h100", allow_remat=False))
     rounds = step.rounds(*args)
     plan = step.plan(*args)
     assert plan.status == "ok" and not plan.remat and plan.offload
     assert rounds[-1].compiled_bytes <= 200 * MiB
-    unplanned = jax.jit(jax.grad(_mlp_loss)).lower(*args).compile().memory_analysis()
+    unplanned = jax.jit(jax.grad(mlp_loss)).lower(*args).compile().memory_analysis()
     assert rounds[-1].compiled_bytes < unplanned.temp_size_in_bytes
     for before, after in zip(rounds, rounds[1:]):  # over budget -> a tighter planner budget
         assert before.compiled_bytes > 200 * MiB
@@ -258,7 +240,7 @@ def _simulated_plain_bytes(params, x):
     """The simulator's peak of the plain gradient step on the cpu target."""
     from jaxmem.plans import plan as plan_lib
 
-    graph = jaxmem.analysis.graph.build_graph(jax.grad(_mlp_loss), params, x, target="cpu")
+    graph = jaxmem.analysis.graph.build_graph(jax.grad(mlp_loss), params, x, target="cpu")
     return plan_lib.simulate_plan(graph, plan_lib.unplanned(graph)).peak_bytes
 
 
@@ -289,29 +271,29 @@ def test_the_step_as_written_is_compiled_last_when_every_plan_is_over(monkeypatc
     monkeypatch.setitem(_registry._ENTRIES, "remat_all", _registry.Entry(
         name="remat_all", kind="planner", doc="test", fn=lambda g, b, cm, o: greedy.split_every(
             g, cm, "remat").replace(planner="remat_all", budget_bytes=b)))
-    params, x = _mlp_args()
+    params, x = mlp_args()
     plain = _plain_cpu_bytes(real, params, x)
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=jaxmem.Config(
         budget=plain, target="cpu", planner="remat_all", verify_rounds=1))
     verified = step.verified(params, x)
     plan, rounds = verified.plan, verified.rounds
     assert len(rounds) == 2 and rounds[0].plan.remat and rounds[0].compiled_bytes > plain
     assert plan.status == "ok" and not plan.remat and rounds[1].compiled_bytes <= plain
     assert any("last resort" in n for n in plan.notes)
-    assert _same(step(params, x), jax.jit(jax.grad(_mlp_loss))(params, x))
+    assert same_bits(step(params, x), jax.jit(jax.grad(mlp_loss))(params, x))
 
 
 def test_on_the_cpu_a_step_that_compiles_within_the_budget_is_kept_as_written(caplog):
     """No decision the budget does not need: the simulator puts the plain step over a budget
     its compile meets, so it is compiled first and kept, and no planner runs."""
-    params, x = _mlp_args()
+    params, x = mlp_args()
     import sys
 
     device_bytes = sys.modules["jaxmem.verify.loop"].device_bytes
     plain, simulated = _plain_cpu_bytes(device_bytes, params, x), _simulated_plain_bytes(params, x)
     if simulated <= plain:
         pytest.skip(f"the simulator does not over-predict this step ({simulated} <= {plain} B)")
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=jaxmem.Config(
         budget=plain, target="cpu", planner="greedy"))
     verified = step.verified(params, x)
     plan = verified.plan
@@ -320,7 +302,7 @@ def test_on_the_cpu_a_step_that_compiles_within_the_budget_is_kept_as_written(ca
     assert len(verified.rounds) == 1 and plan.compiled_bytes == plain
     assert step.cache_info().plans == 0
     assert any("compiled first on the CPU" in n for n in plan.notes)
-    assert _same(step(params, x), jax.jit(jax.grad(_mlp_loss))(params, x))
+    assert same_bits(step(params, x), jax.jit(jax.grad(mlp_loss))(params, x))
     # The summary says the status is the compile's, and flags the simulated peak over it.
     summary = plan.summary()
     assert "status ok (verified by compiling)" in summary
@@ -349,7 +331,7 @@ def _charge(monkeypatch, charge):
 
 def _plain_cpu_bytes(device_bytes, params, x):
     """``device_bytes`` of the plain gradient step compiled for the cpu target."""
-    return device_bytes(jax.jit(jax.grad(_mlp_loss)).lower(params, x).compile(
+    return device_bytes(jax.jit(jax.grad(mlp_loss)).lower(params, x).compile(
         compiler_options=jaxmem.targets.get("cpu").compiler_options))[0]
 
 
@@ -386,10 +368,10 @@ def test_time_limit_s_bounds_the_planning_of_all_rounds_together(monkeypatch):
         return plan.replace(predicted_peak_bytes=plan_lib.simulate_plan(g, plan).peak_bytes)
 
     _use_planner(monkeypatch, "never_fits", never_fits)
-    params, x = _mlp_args()
+    params, x = mlp_args()
     real = _charge(monkeypatch, lambda n, dev: dev)
     budget = _plain_cpu_bytes(real, params, x) - 1024  # the plain step, its one plan, is over
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=jaxmem.Config(
         budget=budget, target="cpu", planner="never_fits", time_limit_s=8.0, verify_rounds=4))
     with pytest.raises(InfeasibleBudgetError):
         step.verified(params, x)
@@ -426,10 +408,10 @@ def test_re_plans_get_what_the_rounds_before_them_left(monkeypatch):
         return plan.replace(predicted_peak_bytes=plan_lib.simulate_plan(g, plan).peak_bytes)
 
     _use_planner(monkeypatch, "overruns", overruns)
-    params, x = _mlp_args()
+    params, x = mlp_args()
     real = _charge(monkeypatch, lambda n, dev: dev + 1000)  # every plan misses
     budget = _plain_cpu_bytes(real, params, x)
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=jaxmem.Config(
         budget=budget, target="cpu", planner="overruns", time_limit_s=8.0, verify_rounds=4))
     with pytest.raises(InfeasibleBudgetError, match="no re-plan after round 3"):
         step.verified(params, x)
@@ -450,8 +432,8 @@ def test_alternatives_are_compiled_and_the_fastest_fitting_plan_is_kept(monkeypa
     _use_planner(monkeypatch, "prefers_remat",
                  lambda g, budget, cost_model, options: _remat_all_or_nothing(
                      g, budget, cost_model, "prefers_remat"))
-    params, x = _mlp_args()
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+    params, x = mlp_args()
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=jaxmem.Config(
         budget="1GiB", target="h100", planner="prefers_remat", verify_rounds=1))
     verified = step.verified(params, x)
     assert len(verified.rounds) == 2 and verified.rounds[0].plan.remat
@@ -472,8 +454,8 @@ def test_a_planners_fallback_survives_verification(monkeypatch):
                             predicted_peak_bytes=plan_lib.simulate_plan(g, plan).peak_bytes)
 
     _use_planner(monkeypatch, "falls_back", falls_back)
-    params, x = _mlp_args()
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+    params, x = mlp_args()
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=jaxmem.Config(
         budget="1GiB", target="h100", planner="falls_back", verify_rounds=1))
     verified = step.verified(params, x)
     assert verified.plan.status == "ok"
@@ -496,16 +478,16 @@ def test_an_over_budget_rounds_alternative_is_compiled_before_tightening(monkeyp
         return _remat_all_or_nothing(g, budget, cost_model, "misses_first")
 
     _use_planner(monkeypatch, "misses_first", planner)
-    params, x = _mlp_args()
+    params, x = mlp_args()
     plain = _plain_cpu_bytes(real, params, x)
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=jaxmem.Config(
         budget=plain, target="cpu", planner="misses_first", verify_rounds=3))
     verified = step.verified(params, x)
     rounds = verified.rounds
     assert seen == [None]  # planned once, at the budget as given
     assert len(rounds) == 2 and rounds[0].compiled_bytes > plain >= rounds[1].compiled_bytes
     assert verified.plan.status == "ok" and not verified.plan.remat
-    assert _same(step(params, x), jax.jit(jax.grad(_mlp_loss))(params, x))
+    assert same_bits(step(params, x), jax.jit(jax.grad(mlp_loss))(params, x))
 
 
 def _fast_misses_slow_fits(g, budget, cost_model, name, count):
@@ -527,9 +509,9 @@ def _fast_misses_slow_fits(g, budget, cost_model, name, count):
 def _verify_mlp_at_its_plain_peak(monkeypatch, name, planner, real):
     """The plain mlp gradient step verified with ``planner`` at its compiled peak."""
     _use_planner(monkeypatch, name, planner)
-    params, x = _mlp_args()
+    params, x = mlp_args()
     plain = _plain_cpu_bytes(real, params, x)
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=jaxmem.Config(
         budget=plain, target="cpu", planner=name, verify_rounds=4))
     return plain, step.verified(params, x)
 
@@ -589,9 +571,9 @@ def test_the_loop_tightens_by_the_plan_of_the_round_that_came_closest(monkeypatc
         return _remat_all_or_nothing(g, budget, cost_model, "two_misses")
 
     _use_planner(monkeypatch, "two_misses", planner)
-    params, x = _mlp_args()
+    params, x = mlp_args()
     plain = _plain_cpu_bytes(real, params, x)
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=jaxmem.Config(
         budget=plain, target="cpu", planner="two_misses", verify_rounds=2,
         on_over_budget="warn"))
     rounds = step.verified(params, x).rounds
@@ -625,9 +607,9 @@ def test_offloads_that_compile_far_over_the_simulation_are_dropped_in_later_roun
             plan_lib.simulate_plan(g, plan).peak_bytes))
 
     _use_planner(monkeypatch, "greedy", planner)
-    params, x = _mlp_args()
+    params, x = mlp_args()
     budget = 10 * _plain_cpu_bytes(real, params, x)
-    step = jaxmem.optimize(jax.grad(_mlp_loss), config=jaxmem.Config(
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=jaxmem.Config(
         budget=budget, target="cpu", planner="greedy", verify_rounds=2, on_over_budget="warn"))
     with caplog.at_level(logging.INFO, logger="jaxmem.verify.loop"):
         verified = step.verified(params, x)
@@ -640,14 +622,14 @@ def test_offloads_that_compile_far_over_the_simulation_are_dropped_in_later_roun
 
 
 def _sgd(params, x):
-    grads = jax.grad(_mlp_loss)(params, x)
+    grads = jax.grad(mlp_loss)(params, x)
     return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
 
 
 def test_a_budget_below_the_undonated_arguments_and_outputs_names_them_and_donation():
     """The new parameters (1.5 MiB) and the parameters, not donated (1.5 MiB), alone exceed
     2.5 MiB: the error names that floor and the argument to donate, not other planners."""
-    params, x = _mlp_args(layers=3, batch=8, width=256, hidden=256)
+    params, x = mlp_args(layers=3, batch=8, width=256, hidden=256)
     args_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves((params, x)))
     params_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(params))
     budget = int(2.5 * MiB)

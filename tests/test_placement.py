@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from steps import zoo_case
 
-import jaxmem.models as zoo
 from jaxmem import emit, targets
 from jaxmem.analysis.graph import analyse
 from jaxmem.cost.costmodel import CostModel
@@ -26,15 +26,6 @@ def _leaves_equal(a, b) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _case(name: str, target: str = "cpu"):
-    zs = zoo.build(name, "tiny", step="train")
-    args = zs.make_args(seed=0)
-    if target != "cpu":
-        args = targets.get(target).place(args)
-    graph = analyse(trace(zs.fn, *args), target)
-    return zs, args, graph
-
-
 def _inputs(graph, role: str) -> list[int]:
     return [t for t in graph.inputs if graph.tensors[t].role == role and graph.tensors[t].shape]
 
@@ -45,7 +36,7 @@ CASES = [("mlp", "opt_state"), ("mlp", "opt_state+param"), ("mlp", "opt_state+of
 
 @pytest.mark.parametrize("name, what", CASES, ids=[f"{n}-{w}" for n, w in CASES])
 def test_placed_step_is_bitwise_equal_and_returns_the_state_on_host(name, what):
-    zs, args, graph = _case(name)
+    zs, args, graph = zoo_case(name)
     reference = jax.jit(zs.fn)(*args)
     placed = _inputs(graph, "opt_state") + (_inputs(graph, "param") if "param" in what else [])
     base = (greedy.split_every(graph, CostModel.for_target("cpu"), "offload")
@@ -62,7 +53,7 @@ def test_placed_step_is_bitwise_equal_and_returns_the_state_on_host(name, what):
 
 
 def test_placed_step_accepts_state_already_in_pinned_host_memory():
-    zs, args, graph = _case("mlp")
+    zs, args, graph = zoo_case("mlp")
     reference = jax.jit(zs.fn)(*args)
     placed = _inputs(graph, "opt_state")
     flat, tree = jax.tree_util.tree_flatten(args)
@@ -74,7 +65,7 @@ def test_placed_step_accepts_state_already_in_pinned_host_memory():
 
 
 def test_h100_placement_writes_the_optimizer_state_to_host_buffers():
-    zs, args, graph = _case("mlp", "h100")
+    zs, args, graph = zoo_case("mlp", "h100")
     h100 = targets.get("h100")
     placed = _inputs(graph, "opt_state")
     state_bytes = sum(graph.tensors[t].bytes for t in placed)
@@ -95,7 +86,7 @@ def test_h100_placement_writes_the_optimizer_state_to_host_buffers():
 
 
 def test_placement_of_a_computed_value_is_refused():
-    _, _, graph = _case("mlp")
+    _, _, graph = zoo_case("mlp")
     view = plan_lib.view(graph)
     with pytest.raises(ValueError, match="only the step's inputs"):
         emit.emit(graph, plan_lib.unplanned(graph).replace(
@@ -106,7 +97,7 @@ def test_placement_of_a_computed_value_is_refused():
 
 
 def test_candidates_are_the_state_inputs_with_an_update_optimizer_state_first():
-    _, _, graph = _case("mlp")
+    _, _, graph = zoo_case("mlp")
     got = placement.candidates(graph)
     opt, params = _inputs(graph, "opt_state"), _inputs(graph, "param")
     assert sorted(got) == sorted(opt + params)  # not the batch, not the scalar step count
@@ -114,13 +105,13 @@ def test_candidates_are_the_state_inputs_with_an_update_optimizer_state_first():
 
 
 def test_simulation_without_placement_is_the_plans_own():
-    _, _, graph = _case("mlp")
+    _, _, graph = zoo_case("mlp")
     plan = greedy.split_every(graph, CostModel.for_target("cpu"), "offload")
     assert placement.simulate_placed(graph, plan) == plan_lib.simulate_plan(graph, plan)
 
 
 def test_a_plan_that_places_state_is_simulated_with_its_placement():
-    _, _, graph = _case("mlp", "h100")
+    _, _, graph = zoo_case("mlp", "h100")
     plan = plan_lib.unplanned(graph).replace(
         placement={t: "pinned_host" for t in _inputs(graph, "opt_state")})
     placed = plan_lib.simulate_plan(graph, plan)
@@ -129,7 +120,7 @@ def test_a_plan_that_places_state_is_simulated_with_its_placement():
 
 
 def test_simulation_moves_the_updates_off_the_device_and_adds_the_prefetched_copies():
-    _, _, graph = _case("mlp", "h100")
+    _, _, graph = zoo_case("mlp", "h100")
     placed = _inputs(graph, "opt_state")
     plan = plan_lib.unplanned(graph)
     before = plan_lib.simulate_plan(graph, plan)
@@ -235,7 +226,7 @@ def test_optimize_with_state_placement_fits_where_it_did_not_and_runs_exactly():
 
 @pytest.mark.parametrize("passed_on_host", [False, True])
 def test_donated_placed_state_is_exact_wherever_it_is_passed(passed_on_host, caplog):
-    zs, args, _ = _case("mlp")
+    zs, args, _ = zoo_case("mlp")
     reference = jax.jit(zs.fn)(*args)
     graph = analyse(trace(zs.fn, *args, donate_argnums=(0,)), "cpu")
     placed = _inputs(graph, "opt_state")

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_optimize import _mlp_args, _same
+from steps import mlp_args, same_bits
 
 import jaxmem
 from jaxmem import models
@@ -30,7 +30,7 @@ def _mlp_loss(params, x):
 
 
 def _args(layers=4):
-    return _mlp_args(layers=layers, batch=64, width=32, hidden=128)
+    return mlp_args(layers=layers, batch=64, width=32, hidden=128)
 
 
 def _table(graph, seconds):
@@ -213,7 +213,7 @@ def test_a_profiled_plan_is_exact_and_says_how_it_was_priced(target):
     assert "op times profiled on cpu" in notes
     assert ("scaled" in notes) == (target == "h100")
     if target == "cpu":
-        assert _same(step(params, x), jax.jit(fn)(params, x))
+        assert same_bits(step(params, x), jax.jit(fn)(params, x))
 
 
 def test_a_failed_profile_is_reported_and_the_roofline_used(monkeypatch, caplog):
