@@ -44,6 +44,7 @@ from typing import Any, Mapping
 
 from jaxmem.planners._principles import constant_tensors
 from jaxmem.planners._registry import register
+from jaxmem.planners._shared import check_options
 from jaxmem.plans import placement as placement_lib, plan as plan_lib
 from jaxmem.targets import DEFAULT_HOST_BUDGET_BYTES
 
@@ -213,17 +214,18 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
       options: ``allow_remat``, ``allow_offload`` (default True),
         ``allow_state_offload`` (default False: place no inputs on host),
         ``host_budget_bytes`` (pinned host the offloads may use, default 64 GiB),
-        ``time_limit_s`` (default none). Other keys are ignored.
+        ``time_limit_s`` (default none). Unknown keys raise ``ValueError``.
 
     Returns:
       A plan with status ``"ok"`` when the simulated peak fits, else
       ``"over_budget"`` (or ``"timeout"``) with the best plan found.
     """
     start = time.perf_counter()
-    allow_remat = bool(options.get("allow_remat", True))
-    allow_offload = bool(options.get("allow_offload", True))
-    host_budget = int(options.get("host_budget_bytes", DEFAULT_HOST_BUDGET_BYTES))
-    time_limit_s = options.get("time_limit_s")
+    options = _options(options)
+    allow_remat = bool(options["allow_remat"])
+    allow_offload = bool(options["allow_offload"])
+    host_budget = int(options["host_budget_bytes"])
+    time_limit_s = options["time_limit_s"]
     pool = {c.tensor: c for c in candidates(graph, cost_model)}
     decisions = _Decisions(graph)
     rejected: set[int] = set()
@@ -281,7 +283,7 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
     deadline = None if time_limit_s is None else start + time_limit_s
     decisions, sim, pruned = _without_needless(graph, decisions, sim, budget_bytes, deadline)
     placed: dict[int, str] = {}
-    if options.get("allow_state_offload", False) and sim.peak_bytes > budget_bytes:
+    if options["allow_state_offload"] and sim.peak_bytes > budget_bytes:
         host_used = plan_lib.build_schedule(graph, decisions.plan(budget_bytes)).host_peak_bytes()
         placed, sim = place_state(graph, decisions.plan(budget_bytes), budget_bytes,
                                   host_budget - host_used, deadline)
@@ -371,5 +373,13 @@ def _cheapest(c: Candidate, decisions: _Decisions, allow_remat: bool, allow_offl
     return min(options, key=lambda o: o[1]) if options else None
 
 
+_DEFAULTS = {"allow_remat": True, "allow_offload": True, "allow_state_offload": False,
+             "host_budget_bytes": DEFAULT_HOST_BUDGET_BYTES, "time_limit_s": None}
+
+
+def _options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    return check_options(NAME, options, _DEFAULTS)
+
+
 register(NAME, plan_greedy, "remat/offload the largest buffers alive at the peak, by bytes "
-         "freed per second, until the simulated peak fits")
+         "freed per second, until the simulated peak fits", check=_options)
