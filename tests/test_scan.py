@@ -21,7 +21,7 @@ import jaxmem.models as zoo
 from jaxmem import targets
 from jaxmem.analysis import scan
 from jaxmem.analysis.graph import analyse
-from jaxmem.cost import measure
+from jaxmem.cost.measure import measure
 from jaxmem.models import gpt2
 from jaxmem.models._layers import next_token_loss, token_batch
 from jaxmem.planners import scanplan
