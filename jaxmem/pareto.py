@@ -227,9 +227,11 @@ def frontier(points: Sequence[Point]) -> list[Point]:
     kept: list[Point] = []
     best_time = float("inf")
     for p in sorted(known, key=lambda q: (q.compiled_bytes, q.est_step_time_s)):
-        if p.est_step_time_s < best_time:
+        time_s = p.est_step_time_s
+        assert time_s is not None  # `known` has only points with a time
+        if time_s < best_time:
             kept.append(p)
-            best_time = p.est_step_time_s
+            best_time = time_s
     return kept
 
 
@@ -243,17 +245,19 @@ def check_monotone(points: Sequence[Point]) -> list[Point]:
     runs = sorted((i for i, p in enumerate(out) if p.status in ("ok", "over_budget")
                    and p.compiled_bytes is not None), key=lambda i: -out[i].budget_bytes)
     best: Point | None = None
+    best_bytes = 0  # best's compiled bytes
     for i in runs:
         p = out[i]
-        if best is not None and p.budget_bytes < best.budget_bytes \
-                and p.compiled_bytes > best.compiled_bytes:
+        compiled = p.compiled_bytes
+        assert compiled is not None  # `runs` has only points with compiled bytes
+        if best is not None and p.budget_bytes < best.budget_bytes and compiled > best_bytes:
             logger.warning("planner %s is not monotone: budget %s compiled to %s, but the "
                            "higher budget %s compiled to %s", p.planner,
-                           format_bytes(p.budget_bytes), format_bytes(p.compiled_bytes),
-                           format_bytes(best.budget_bytes), format_bytes(best.compiled_bytes))
+                           format_bytes(p.budget_bytes), format_bytes(compiled),
+                           format_bytes(best.budget_bytes), format_bytes(best_bytes))
             out[i] = dataclasses.replace(p, monotone=False)
-        if best is None or p.compiled_bytes < best.compiled_bytes:
-            best = p
+        if best is None or compiled < best_bytes:
+            best, best_bytes = p, compiled
     return out
 
 
@@ -371,8 +375,8 @@ class _Sweep:
         """Plan, emit and compile at one budget through the verify loop."""
         config = dataclasses.replace(config, budget=int(budget_bytes))
         start = time.perf_counter()
-        common = dict(planner=config.planner, budget_bytes=int(budget_bytes), sweep=sweep,
-                      unplanned_bytes=self._unplanned_bytes)
+        common: dict[str, Any] = dict(planner=config.planner, budget_bytes=int(budget_bytes),
+                                      sweep=sweep, unplanned_bytes=self._unplanned_bytes)
         if self.fallback is not None:
             rep, jitted = self.unplanned()
             return Point(status=f"fallback: {self.fallback}", compiled_bytes=rep.device_bytes,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeGuard
 
 import jax
 from jax.extend import core as jcore
@@ -21,6 +21,7 @@ from jaxmem.emit.bind import (
     bind_equation,
 )
 from jaxmem.emit.host import _HostUpdate
+from jaxmem.emit.pins import _event_op
 from jaxmem.emit.rules import _FusionRules
 from jaxmem.plans import plan as plan_lib
 from jaxmem.tracing.trace import value_avals
@@ -115,6 +116,7 @@ class _Interpreter(_FusionRules):
         for k, ev in enumerate(events):
             if ev.kind != "op":
                 continue
+            assert ev.op is not None  # an "op" event runs one
             if ev.op not in branches:
                 main = k
                 continue
@@ -123,10 +125,11 @@ class _Interpreter(_FusionRules):
             for r in dict.fromkeys(ev.reads):
                 # A tensor's first version (not a re-issued copy) computed in the forward pass.
                 if (main is not None and r is not None and view.n_inputs <= r < view.n_tensors
-                        and last[r] == k and made.get(r, k) < main
-                        and view.phases[view.producer[r]] == "forward"
-                        and not self._made_elementwise(r)):
-                    held.setdefault(main, []).append(r)
+                        and last[r] == k and made.get(r, k) < main):
+                    producer = view.producer[r]
+                    assert producer is not None  # r is not an input
+                    if view.phases[producer] == "forward" and not self._made_elementwise(r):
+                        held.setdefault(main, []).append(r)
         return held
 
     def _scope_inputs(self) -> dict[int, list[int]]:
@@ -141,11 +144,14 @@ class _Interpreter(_FusionRules):
         for start, scope in self.scope_starts.items():
             reads: dict[int, None] = {}
             for ev in self.schedule.events:
-                if ev.kind != "op" or self.scopes[ev.op] != scope:
+                if ev.kind != "op":
+                    continue
+                assert ev.op is not None  # an "op" event runs one
+                if self.scopes[ev.op] != scope:
                     continue
                 for r in ev.reads:
-                    p = produced_at.get(r, -1) if r is not None else None
-                    if r is not None and p < start:  # all of them, as JAX's own remat barrier
+                    # all of them, as JAX's own remat barrier
+                    if r is not None and produced_at.get(r, -1) < start:
                         reads[r] = None
             out[scope] = list(reads)
         return out
@@ -159,7 +165,7 @@ class _Interpreter(_FusionRules):
     def run(self, flat_args: Sequence[Any]) -> list[Any]:
         view, events = self.view, self.schedule.events
         self.made_by, self.issued_at, self._extra_tensor = {}, {}, {}
-        self._constants: dict[int, bool] = {}  # version -> _constant(version), this run
+        self._constants = {}  # version -> _constant(version), this run
         self.last_read = self._last_reads()
         self._folding_readers: set[int] | None = None
         self._reader_lists: list[list[int]] | None = None
@@ -187,6 +193,8 @@ class _Interpreter(_FusionRules):
         pending_pins: list[int] = []      # versions to tie into the next op
         scope_env: dict[int, dict[Any, Any]] = {}
         last_real: int | None = None
+        before: Sequence[plan_lib.Event]
+        w: int | None  # a version: written by an event, or one of a chain
         i = 0
         while i < len(events):
             at = events[i].at
@@ -265,7 +273,7 @@ class _Interpreter(_FusionRules):
             # folds the constant scalings of a product's operands together, see
             # _shared_buffer.)
             scaled = {r for ev in before if ev.kind in ("remat", "fused")
-                      and view.primitives[ev.op] in ("mul", "div") for r in ev.reads}
+                      and view.primitives[_event_op(ev)] in ("mul", "div") for r in ev.reads}
             chains += [self._start_of_chain(r, unfetched, shared=r not in scaled)
                        for r in remat_reads + held]
             if held and not delay_ties and last_real is not None:
@@ -296,15 +304,16 @@ class _Interpreter(_FusionRules):
             for ev in before:
                 if ev.kind == "prefetch":
                     (t,), (w,) = ev.tensors, ev.writes
+                    assert w is not None  # a prefetch writes its new device version
                     chain, fetched = offloaded[t], jax.device_put(host[t], jax.memory.Space.Device)
                     if chain and isinstance(chain[0], tuple):  # a transposed copy (see below)
                         fetched = jax.lax.transpose(fetched, _inverse(chain[0][1]))
                         chain = chain[1:]
                     self._replay(chain, fetched, w, env)
-                elif folded[id(ev)] is not None and remat_reads:
+                elif (source := folded[id(ev)]) is not None and remat_reads:
                     (w,) = [w for w in ev.writes if w is not None]
-                    env[w] = env[folded[id(ev)]]
-                    self.made_by[w] = self.made_by[folded[id(ev)]]
+                    env[w] = env[source]
+                    self.made_by[w] = self.made_by[source]
                     self.issued_at[w] = len(self.issued_at)
                 else:  # remat / fused: re-issue the producer equation
                     self._issue(ev, env)
@@ -332,7 +341,7 @@ class _Interpreter(_FusionRules):
                 scope_env[scope].update(zip(map(_literal_key, lits), values[len(ins):]))
             self._after_last_read(j, op_event, env)
             self._issue(op_event, env,
-                        scope_env.get(self.scopes[op_event.op]) if self.scopes else None)
+                        scope_env.get(self.scopes[_event_op(op_event)]) if self.scopes else None)
             outs = [w for w in op_event.writes if w is not None and self._real(w)]
             # (Not a matmul's output that a reader folds into the matmul: a tie on it
             # would change that reader's arithmetic, see _folded_into_reader.)
@@ -364,8 +373,9 @@ class _Interpreter(_FusionRules):
             for ev in after:
                 # The copy is of the value the tensor's chain starts from; the prefetch
                 # recomputes the chain, which XLA simplifies as in the plain step.
-                (t,) = ev.tensors
-                root, offloaded[t] = self._tie_point(ev.reads[0], unfetched, buffers_only=False)
+                (t,), (copied,) = ev.tensors, ev.reads
+                assert copied is not None  # an offload reads the device version it copies
+                root, offloaded[t] = self._tie_point(copied, unfetched, buffers_only=False)
                 value = env[root]
                 folding = self._folding_transpose(root)
                 if folding is not None:
@@ -433,10 +443,12 @@ class _Interpreter(_FusionRules):
         reduction's): a barrier on a fused value would make it a buffer and
         change the sums it feeds.
         """
-        if self.view.phases[op_event.op] != "update":  # type: ignore[index]
+        if self.view.phases[_event_op(op_event)] != "update":
             return
         for r in dict.fromkeys(op_event.reads):
-            readers = self.last_read.pop(r, None) if r is not None else None
+            if r is None:
+                continue
+            readers = self.last_read.pop(r, None)
             for i in reversed([i for i in readers or () if i < j]):
                 tie = self._tie_after(i, j, env)
                 if tie is not None:
@@ -448,13 +460,13 @@ class _Interpreter(_FusionRules):
         the first op after it that reads it, before event ``j``) that a barrier may tie."""
         events = self.schedule.events
 
-        def buffer(x: int | None) -> bool:
+        def buffer(x: int | None) -> TypeGuard[int]:
             return x is not None and x in env and self._real(x) and self._opaque(x)
 
         for w in events[i].writes:
             if not buffer(w):
                 continue
-            if not self._folded_into_reader(w):  # type: ignore[arg-type]
+            if not self._folded_into_reader(w):
                 return w
             for k in range(i + 1, j):
                 if events[k].kind == "op" and w in events[k].reads:

@@ -26,6 +26,12 @@ _LAYOUT_FOLDING = frozenset({"dot_general", "conv_general_dilated"})
 # Readers XLA's CPU backend may fold into a matmul as its output's addend.
 _ADDITIONS = frozenset({"add", "add_any", "sub"})
 
+def _event_op(ev: plan_lib.Event) -> int:
+    """The op an ``"op"``, ``"remat"`` or ``"fused"`` event runs (a copy runs none)."""
+    assert ev.op is not None, ev
+    return ev.op
+
+
 # An op whose results reach the step's outputs within this many ops is a *tail*
 # op (a weight gradient and its transpose, an optimizer update, the loss).
 TAIL_OPS = 4
@@ -101,6 +107,9 @@ def _checkpoint_scopes(program: Any, schedule: plan_lib.Schedule) -> dict[int, i
     backward = {s for k, s in enumerate(scopes) if s is not None and k > start}
     first: dict[int, int] = {}
     for i, ev in enumerate(schedule.events):
-        if ev.kind == "op" and scopes[ev.op] in backward and scopes[ev.op] not in first.values():
-            first[i] = scopes[ev.op]  # type: ignore[assignment]
+        if ev.kind != "op":
+            continue
+        scope = scopes[_event_op(ev)]
+        if scope in backward and scope not in first.values():
+            first[i] = scope
     return first

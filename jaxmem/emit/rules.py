@@ -13,6 +13,7 @@ from jaxmem.emit.pins import (
     _ADDITIONS,
     _LAYOUT_FOLDING,
     LAYOUT_PRIMITIVES,
+    _event_op,
 )
 from jaxmem.plans import plan as plan_lib
 
@@ -20,6 +21,16 @@ from jaxmem.plans import plan as plan_lib
 class _FusionRules:
     """Predicates on the program and schedule for :class:`~jaxmem.emit.interpreter._Interpreter`
     (which sets the attributes they read)."""
+
+    # Set by the interpreter: in __init__, and per run for the caches.
+    view: plan_lib.View
+    schedule: plan_lib.Schedule
+    nbytes: list[int]
+    made_by: dict[int, plan_lib.Event]
+    _extra_tensor: dict[int, int]
+    _constants: dict[int, bool]
+    _folding_readers: set[int] | None
+    _reader_lists: list[list[int]] | None
 
     @staticmethod
     def _split_alone(schedule: plan_lib.Schedule) -> frozenset[int]:
@@ -211,7 +222,7 @@ class _FusionRules:
 
     def _primitive(self, version: int) -> str | None:
         ev = self.made_by.get(version)
-        return None if ev is None else self.view.primitives[ev.op]  # type: ignore[index]
+        return None if ev is None else self.view.primitives[_event_op(ev)]
 
     def _folds_layout(self, version: int) -> bool:
         """Whether the simplifier folds a transpose of ``version`` into its producer.
@@ -260,7 +271,7 @@ class _FusionRules:
     def _operand_if_transparent(self, version: int) -> int | None:
         """The one operand of ``version``'s producer if the simplifier looks through it."""
         ev = self.made_by.get(version)
-        if ev is None or not _transparent(self.view.primitives[ev.op]):  # type: ignore[index]
+        if ev is None or not _transparent(self.view.primitives[_event_op(ev)]):
             return None
         # A value made of literals only counts as one (``ones * x`` is ``x`` to it).
         reads = list(dict.fromkeys(r for r in ev.reads if r is not None and not self._constant(r)))
