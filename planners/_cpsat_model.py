@@ -144,11 +144,12 @@ class _Model:
         nodes, items = problem.nodes, problem.items
         n = self.n = len(nodes)
         last = n - 1
-        self.fixed = problem.fixed_order is not None
-        if self.fixed:
-            where = {x: s for s, x in enumerate(problem.fixed_order)}  # type: ignore[union-attr]
+        fixed_order = problem.fixed_order
+        self.fixed = fixed_order is not None
+        if fixed_order is not None:
+            where = {x: s for s, x in enumerate(fixed_order)}
             self.pos: list[Any] = [where[x] for x in range(n)]
-            self.node_at: list[Any] = list(problem.fixed_order)  # type: ignore[arg-type]
+            self.node_at: list[Any] = list(fixed_order)
         else:
             before, after = _closure_sizes(problem)
             self.pos = [m.new_int_var(before[x], last - after[x], f"pos{x}") for x in range(n)]
@@ -172,8 +173,8 @@ class _Model:
         self.picks: dict[tuple[int, tuple], list[Any]] = {}
         self.readers: dict[int, list[tuple[tuple, Any]]] = {}
         for v, it in enumerate(items):
-            for c in sorted(set(it.consumers)):
-                self._read(v, ("node", c), self.pos[c], True)
+            for x in sorted(set(it.consumers)):
+                self._read(v, ("node", x), self.pos[x], True)
         for w, it in enumerate(items):
             for k, c in enumerate(self.copies[w][1:], start=1):
                 if c.remat is not None:
@@ -246,8 +247,8 @@ class _Model:
     def _item(self, v: int) -> list[_Copy]:
         m, it, last = self.m, self.p.items[v], self.n - 1
         if v in self.static:
-            first, end = self.static_span[v]
-            return [_Copy(True, first, end)]
+            first, final = self.static_span[v]
+            return [_Copy(True, first, final)]
         start = 0 if it.producer is None else self.pos[it.producer]
         end = m.new_int_var(0, last, f"e{v}_0")
         m.add(end >= start)
@@ -326,6 +327,7 @@ class _Model:
         claims: dict[tuple[int, int], list[Any]] = {}
         for v, ys in self.reuse.items():
             it = self.p.items[v]
+            assert it.producer is not None  # (only a produced item takes a buffer over)
             m, at = self.m, self.pos[it.producer]
             m.add(sum(ys) <= 1)
             for u, y in zip(it.inplace, ys):
@@ -376,6 +378,7 @@ class _Model:
         stalls, d2h_copies, h2d_copies = [], [], []
         for v, f in self.offload.items():
             it = self.p.items[v]
+            assert it.producer is not None  # (can_offload)
             start = self.pos[it.producer]
             readers = self.readers.get(v, [])
             terms = []
@@ -427,8 +430,8 @@ class _Model:
                 m.add_hint(self.pos[x], s)
                 m.add_hint(self.node_at[s], x)
         by_item: dict[int, list] = {}
-        for c in ev.copies:
-            by_item.setdefault(c.item, []).append(c)
+        for copy in ev.copies:
+            by_item.setdefault(copy.item, []).append(copy)
         for v, copies in enumerate(self.copies):
             if v in self.static:
                 continue
@@ -463,7 +466,8 @@ class _Model:
                     recompute.setdefault(v, []).append(x)
                 else:
                     offload[v] = x
-        return Schedule(order=tuple(order), recompute=recompute, offload=offload)
+        return Schedule(order=tuple(order), offload=offload,
+                        recompute={v: tuple(xs) for v, xs in recompute.items()})
 
 
 def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
@@ -567,7 +571,10 @@ def solve_in_turn(p: Problem, units: Units, hint: tuple[Schedule, Evaluation],
                   deterministic_time_s=share * work, hint=hint, label="order fixed", **kw)
     notes.append(f"CP-SAT, order fixed: {first.detail}")
     if p.fixed_order is not None:
-        return first if first.schedule is not None else _failed(first, notes)
+        if first.schedule is not None:
+            return first
+        _failed(first, notes)
+        return None
     if first.schedule is not None:
         hint = (first.schedule, evaluate(p, first.schedule))
     left = max(deadline - time.perf_counter(), (1 - share) * MIN_SOLVE_S)
@@ -579,7 +586,8 @@ def solve_in_turn(p: Problem, units: Units, hint: tuple[Schedule, Evaluation],
             notes.append("the joint solve found nothing better in time; kept the fixed-order "
                          "solution (no bound on the joint problem)")
             return dataclasses.replace(first, status="feasible", time_bound=None)
-        return _failed(joint, notes)
+        _failed(joint, notes)
+        return None
     if first.time is not None and joint.time is not None and first.time < joint.time:
         return dataclasses.replace(first, status="feasible", time_bound=joint.time_bound)
     return joint

@@ -238,8 +238,10 @@ def evaluate(problem: Problem, schedule: Schedule) -> Evaluation:
     for v, xs in schedule.recompute.items():
         if not items[v].can_remat or len(xs) + 1 > problem.max_copies or len(set(xs)) != len(xs):
             return _invalid(f"item {v} cannot be re-issued before nodes {xs}")
+        producer = items[v].producer
+        assert producer is not None  # (can_remat)
         for x in xs:
-            if pos[x] <= pos[items[v].producer]:
+            if pos[x] <= pos[producer]:
                 return _invalid(f"item {v} is re-issued before node {x}, not after its producer")
             events[pos[x]].append((1, v, "recompute"))
     if problem.host_capacity is not None and sum(
@@ -248,7 +250,9 @@ def evaluate(problem: Problem, schedule: Schedule) -> Evaluation:
     for v, x in schedule.offload.items():
         if not items[v].can_offload or v in schedule.recompute:
             return _invalid(f"item {v} cannot be offloaded (or is also re-issued)")
-        if pos[x] <= pos[items[v].producer]:
+        producer = items[v].producer
+        assert producer is not None  # (can_offload)
+        if pos[x] <= pos[producer]:
             return _invalid(f"item {v} is prefetched before node {x}, not after its producer")
         events[pos[x]].append((0, v, "prefetch"))
 
@@ -288,10 +292,10 @@ def evaluate(problem: Problem, schedule: Schedule) -> Evaluation:
                 cur[v] = dict(item=v, index=0, kind="produce", first=s, reads=[])
     done.extend(cur.values())
     copies = []
-    for c in sorted(done, key=lambda c: (c["item"], c["index"])):
-        last = n - 1 if items[c["item"]].output and c is cur.get(c["item"]) else max(
-            [c["first"]] + c["reads"])
-        copies.append(Copy(c["item"], c["index"], c["kind"], c["first"], last, tuple(c["reads"])))
+    for d in sorted(done, key=lambda d: (d["item"], d["index"])):
+        last = n - 1 if items[d["item"]].output and d is cur.get(d["item"]) else max(
+            [d["first"]] + d["reads"])
+        copies.append(Copy(d["item"], d["index"], d["kind"], d["first"], last, tuple(d["reads"])))
     memory = [nodes[x].workspace + extra[s] for s, x in enumerate(schedule.order)]
     dying = {(c.item, c.last) for c in copies if c.index == 0 and c.reads and c.last == max(c.reads)
              and not (items[c.item].output and c.last == n - 1)}

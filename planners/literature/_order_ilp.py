@@ -59,9 +59,9 @@ def solve_ilp(prob: OrderProblem, *, time_limit_s: float = 10.0, workers: int = 
     n = prob.n
     scale = math.gcd(*prob.size.values(), *prob.transient, prob.input_bytes) or 1
     m = cp_model.CpModel()
-    x = [{t: m.NewBoolVar(f"x{o}_{t}") for t in range(lo, hi + 1)}
+    x = [{t: m.new_bool_var(f"x{o}_{t}") for t in range(lo, hi + 1)}
          for o, (lo, hi) in enumerate(win)]
-    done_var = [{t: m.NewBoolVar(f"A{o}_{t}") for t in range(lo, hi)}
+    done_var = [{t: m.new_bool_var(f"A{o}_{t}") for t in range(lo, hi)}
                 for o, (lo, hi) in enumerate(win)]
 
     def done(o: int, t: int) -> Any:  # 1 if op o ran at a step <= t
@@ -69,18 +69,19 @@ def solve_ilp(prob: OrderProblem, *, time_limit_s: float = 10.0, workers: int = 
         return 0 if t < lo else 1 if t >= hi else done_var[o][t]
 
     for o in range(n):
-        m.AddExactlyOne(x[o].values())
+        m.add_exactly_one(x[o].values())
         for t in range(win[o][0], win[o][1]):
-            m.Add(done_var[o][t] == done(o, t - 1) + x[o][t])
+            m.add(done_var[o][t] == done(o, t - 1) + x[o][t])
     for t in range(n):
-        m.AddExactlyOne([x[o][t] for o in range(n) if t in x[o]])
+        m.add_exactly_one([x[o][t] for o in range(n) if t in x[o]])
+    p: int | None  # an op (None: the buffer's producer, where no op allocates it)
     for c in range(n):
         for p in prob.preds[c]:
             for t in range(win[c][0], win[c][1] + 1):
                 lhs, rhs = done(c, t), done(p, t - 1)
                 trivial = (isinstance(lhs, int) and lhs == 0) or (isinstance(rhs, int) and rhs == 1)
                 if not trivial:
-                    m.Add(lhs <= rhs)
+                    m.add(lhs <= rhs)
 
     producer = {t: o for o in range(n) for t in prob.allocs[o]}
     memory: list[list[Any]] = [[] for _ in range(n)]
@@ -104,10 +105,10 @@ def solve_ilp(prob: OrderProblem, *, time_limit_s: float = 10.0, workers: int = 
             continue
         start = 0 if p is None else win[p][0]
         for s in range(start, max(win[c][1] for c in readers) + 1):
-            r = m.NewBoolVar(f"R{t}_{s}")
+            r = m.new_bool_var(f"R{t}_{s}")
             made = 1 if p is None else done(p, s)
             for c in readers:
-                m.Add(r >= made - done(c, s - 1))
+                m.add(r >= made - done(c, s - 1))
             memory[s].append(units * r)
             resident.append((r, t, s))
     for o in range(n):
@@ -115,29 +116,29 @@ def solve_ilp(prob: OrderProblem, *, time_limit_s: float = 10.0, workers: int = 
             if prob.transient[o]:
                 memory[s].append((prob.transient[o] // scale) * var)
         reuse.extend(_reuse(m, prob, o, x, done, memory, scale))
-    peak = m.NewIntVar(0, sum(prob.size.values()) // scale + sum(prob.transient) // scale, "peak")
-    m.Add(peak >= prob.input_bytes // scale)
+    peak = m.new_int_var(0, sum(prob.size.values()) // scale + sum(prob.transient) // scale, "peak")
+    m.add(peak >= prob.input_bytes // scale)
     for s in range(n):
-        m.Add(peak >= constant + sum(memory[s]))
-    m.Minimize(peak)
+        m.add(peak >= constant + sum(memory[s]))
+    m.minimize(peak)
     if hint is not None:
         at = {o: i for i, o in enumerate(hint)}
         for o in range(n):
             for t, var in x[o].items():
-                m.AddHint(var, at[o] == t)
+                m.add_hint(var, at[o] == t)
             for t, var in done_var[o].items():
-                m.AddHint(var, at[o] <= t)
+                m.add_hint(var, at[o] <= t)
         for var, t, s in resident:  # allocated by step s and read at or after it
             p = producer.get(t)
-            m.AddHint(var, (p is None or at[p] <= s)
-                      and any(at[c] >= s for c in prob.readers[t]))
+            m.add_hint(var, (p is None or at[p] <= s)
+                       and any(at[c] >= s for c in prob.readers[t]))
         last = {t: max(at[c] for c in r) for t, r in prob.readers.items()}
         pairs = {o: prob.reused(o, {t for t in prob.reads[o]
                                     if last[t] == at[o] and t not in prob.keep})
                  for o in range(n)}
-        for var, o, (out, inp), t in reuse:  # z: the pair shares a buffer; y: and o runs at t
-            m.AddHint(var, pairs[o].get(out) == inp and (t is None or at[o] == t))
-        m.AddHint(peak, prob.evaluate(hint)[0] // scale)
+        for var, o, (out, inp), step in reuse:  # z: the pair shares a buffer; y: and o runs at step
+            m.add_hint(var, pairs[o].get(out) == inp and (step is None or at[o] == step))
+        m.add_hint(peak, prob.evaluate(hint)[0] // scale)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
     solver.parameters.num_workers = int(workers)
@@ -172,20 +173,20 @@ def _reuse(m: Any, prob: OrderProblem, o: int, x: list[dict[int, Any]], done: An
     if not pairs:
         return []
     made: list[tuple[Any, int, tuple[int, int], int | None]] = []
-    chosen = {pair: m.NewBoolVar(f"z{o}_{pair[0]}_{pair[1]}") for pair in pairs}
+    chosen = {pair: m.new_bool_var(f"z{o}_{pair[0]}_{pair[1]}") for pair in pairs}
     for k in (0, 1):  # one input per output and one output per input
         for key in {pair[k] for pair in pairs}:
-            m.Add(sum(v for pair, v in chosen.items() if pair[k] == key) <= 1)
+            m.add(sum(v for pair, v in chosen.items() if pair[k] == key) <= 1)
     for (out, inp), z in chosen.items():
         for r in prob.readers[inp]:
             if r == o:
                 continue
             for t, var in x[o].items():  # z and o at t => reader r ran before t
-                m.Add(z + var - 1 <= done(r, t - 1))
+                m.add(z + var - 1 <= done(r, t - 1))
         for t, var in x[o].items():
-            y = m.NewBoolVar(f"y{o}_{out}_{t}")
-            m.Add(y <= z)
-            m.Add(y <= var)
+            y = m.new_bool_var(f"y{o}_{out}_{t}")
+            m.add(y <= z)
+            m.add(y <= var)
             memory[t].append(-(prob.size[out] // scale) * y)
             made.append((y, o, (out, inp), t))
     return made + [(z, o, pair, None) for pair, z in chosen.items()]
