@@ -126,4 +126,5 @@ def remat_block(block: M, policy: str, *, scanned: bool = False) -> M:
     fn = checkpoint_policy(policy)
     if fn is None:
         return block
-    return nn.remat(block, policy=fn, prevent_cse=not scanned)
+    # (flax types a policy as returning bool; JAX's offloading ones return Offloadable too)
+    return nn.remat(block, policy=fn, prevent_cse=not scanned)  # type: ignore[arg-type]

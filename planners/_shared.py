@@ -146,7 +146,8 @@ def find_residuals(graph: MemGraph, order: Iterable[int] | None = None, *,
                 first[t] = late[0]
     return dataclasses.replace(model, tensors=tuple(residuals), first_backward=first,
                                readers={t: tuple(r) for t, r in readers.items()},
-                               forward=frozenset(forward), outputs=frozenset(outputs - {None}))
+                               forward=frozenset(forward),
+                               outputs=frozenset(t for t in outputs if t is not None))
 
 
 # Reductions whose result depends on the order of their additions, and producers XLA
@@ -184,6 +185,13 @@ def reissuable(graph: MemGraph, tensor: int) -> bool:
     return p is not None and plan_lib.view(graph).reissuable[p]
 
 
+def computed_by(graph: MemGraph, tensor: int) -> int:
+    """The op that computes ``tensor``, which the caller knows is no input (a reissuable one)."""
+    p = graph.tensors[tensor].producer
+    assert p is not None, f"t{tensor} is a program input"
+    return p
+
+
 def remat_points(graph: MemGraph, res: Residuals, remat: Iterable[int],
                  offload: Mapping[int, int] | None = None, keep: Iterable[int] = ()
                  ) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
@@ -217,8 +225,10 @@ def remat_points(graph: MemGraph, res: Residuals, remat: Iterable[int],
     stack = sorted(want)
     while stack:
         s = stack.pop()
-        sums = res.fused and v.primitives[graph.tensors[s].producer] in SUMMING
-        for u in res.reads(graph, graph.tensors[s].producer):  # type: ignore[arg-type]
+        producer = graph.tensors[s].producer
+        assert producer is not None  # (want holds reissuable tensors: computed ones)
+        sums = res.fused and v.primitives[producer] in SUMMING
+        for u in res.reads(graph, producer):
             if (u in want or u not in res.forward or u in res.outputs
                     or not reissuable(graph, u)):
                 continue

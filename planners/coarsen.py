@@ -215,7 +215,7 @@ def coarsen(graph: Any, budget_bytes: int, cost_model: Any, *, max_nodes: int = 
         home = None if t.producer is None else node_of[t.producer]
         outside = readers.get(t.id, set()) - {home}
         if t.producer is not None and not outside and t.id not in keep:
-            internal.setdefault(home, []).append(t.id)
+            internal.setdefault(node_of[t.producer], []).append(t.id)
             continue
         item_of[t.id] = len(item_tensor)
         item_tensor.append(t.id)
@@ -241,8 +241,10 @@ def coarsen(graph: Any, budget_bytes: int, cost_model: Any, *, max_nodes: int = 
         big = tensor.bytes >= max(1, min_decision_bytes)
         can_remat = (allow_remat and big and not output and tensor.producer is not None
                      and t not in constant)
+        rin: set[int]
         chain, rin, rc, rws = [t], set(), 0.0, 0
         if can_remat:
+            assert home is not None  # (a computed tensor)
             chain, rin, can_remat = _chain(graph, t, item_of, set(internal.get(home, ())), keep)
             rc = sum(times[tensors[u].producer] for u in chain)
             rws = sum(tensors[u].bytes for u in chain if u != t) + max(
@@ -415,14 +417,19 @@ def plan_schedule(c: Coarsening, plan: plan_lib.Plan) -> Schedule:
         v = item_of.get(t)
         if v is None or not p.items[v].can_remat:
             continue
-        home = npos[p.items[v].producer]
+        producer = p.items[v].producer
+        assert producer is not None  # (can_remat)
+        home = npos[producer]
         xs = sorted({node_of[o] for o in points if npos[node_of[o]] > home}, key=npos.__getitem__)
         if xs:
             recompute[v] = tuple(xs[:p.max_copies - 1])
     offload = {}
     for t, o in plan.offload.items():
         v = item_of.get(t)
-        if v is not None and p.items[v].can_offload and v not in recompute \
-                and npos[node_of[o]] > npos[p.items[v].producer]:
+        if v is None or not p.items[v].can_offload or v in recompute:
+            continue
+        producer = p.items[v].producer
+        assert producer is not None  # (can_offload)
+        if npos[node_of[o]] > npos[producer]:
             offload[v] = node_of[o]
     return Schedule(order=tuple(order), recompute=recompute, offload=offload)

@@ -122,7 +122,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from jaxmem.planners import _cpsat_model
 from jaxmem.planners._cpsat_hint import repair
@@ -306,6 +306,7 @@ def _heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: dict[str, 
         try:
             # The planner itself, not its registry wrapper: the step as written was found
             # over the budget already (no second simulation of it per heuristic).
+            assert entry.fn is not None  # (a planner: only a peer has no function)
             fn = getattr(entry.fn, "__wrapped__", entry.fn)
             plan = without_constant_decisions(graph, fn(graph, budget_bytes, cost_model, sub),
                                               cost_model)
@@ -336,7 +337,8 @@ def _warm_start(c: Coarsening, heur: list[_Scored], budget_bytes: int, deadline:
     7,000-op step one repair can take tens of seconds, which the solver needs
     more); the hint is the best in the model's terms: fits, then fastest.
     """
-    best = None
+    # ((over the model's capacity, time, peak), schedule, evaluation, heuristic)
+    best: tuple[tuple[bool, int, int], Schedule, Evaluation, str] | None = None
     ranked = sorted(heur, key=lambda h: (h.peak_bytes > budget_bytes, h.time_s, h.peak_bytes))
     for h in ranked:
         sched = plan_schedule(c, h.plan)
@@ -352,7 +354,7 @@ def _warm_start(c: Coarsening, heur: list[_Scored], budget_bytes: int, deadline:
     if best is None:  # every repair was out of time: the program order as it is
         h = next(h for h in heur if h.name == "program order")
         sched = plan_schedule(c, h.plan)
-        best = (None, sched, evaluate(c.problem, sched), h.name)
+        return sched, evaluate(c.problem, sched), h.name
     return best[1], best[2], best[3]
 
 
@@ -442,6 +444,7 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
                              planner=NAME, budget_bytes=budget_bytes, predicted_peak_bytes=0,
                              predicted_time_s=None)
         solver = _score(graph, "cpsat", plan, cost_model)
+        assert result.time is not None and result.peak is not None  # (a schedule has both)
         notes.append(f"solver's model: step time {result.time * c.tick_s:.4g} s, peak "
                      f"{result.peak * c.unit_bytes + c.fixed_bytes:,} B (it counts memory per "
                      f"node, so at or above the simulator's)")
@@ -524,7 +527,7 @@ def _with_state_placed(graph: Any, budget_bytes: int, cost_model: Any, opts: dic
     placement (no two with the same decisions), each with state placed on pinned host
     (those whose peak it lowers)."""
     seen = {solver.plan.decisions()} if solver else set()
-    bare = []
+    bare: list[_Scored] = []
     for s in sorted((s for s in heur if not s.plan.placement),
                     key=lambda s: (s.peak_bytes, s.time_s)):
         if len(bare) < _PLACED and s.plan.decisions() not in seen:
@@ -573,7 +576,7 @@ def _loose(pool: list[_Scored], budget_bytes: int, given: int | None,
 
 
 def _alternatives(best: _Scored, fits: list[_Scored], budget_bytes: int, started: float,
-                  notes: list[str], loose: list[tuple[_Scored, str]] = (),
+                  notes: list[str], loose: Sequence[tuple[_Scored, str]] = (),
                   solver: tuple[_Scored, float | None, float | None, str] | None = None,
                   candidates: tuple[plan_lib.Candidate, ...] = ()
                   ) -> tuple[plan_lib.Plan, ...]:

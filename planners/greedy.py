@@ -243,10 +243,10 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
         host_used = plan_lib.build_schedule(graph, decisions.plan(budget_bytes)).host_peak_bytes()
         ranked = []
         for c in alive:
-            action = _cheapest(c, decisions, allow_remat, allow_offload,
-                               host_budget - host_used)
-            if action is not None:
-                ranked.append((c.bytes / max(action[1], 1e-12), action[0], c))
+            cheapest = _cheapest(c, decisions, allow_remat, allow_offload,
+                                 host_budget - host_used)
+            if cheapest is not None:
+                ranked.append((c.bytes / max(cheapest[1], 1e-12), cheapest[0], c))
         if not ranked:
             break
         ranked.sort(key=lambda r: (-r[0], r[2].tensor))

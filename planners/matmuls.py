@@ -53,6 +53,7 @@ from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._registry import register
 from jaxmem.planners._shared import (
     check_options,
+    computed_by,
     find_residuals,
     finish,
     fused_segments,
@@ -133,7 +134,7 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
         if t in cheap_set or not reissuable(graph, t):
             continue
         if any(makes_matmul(graph, u) for u in closure):
-            cost[t] = sum(cost_model.graph_op_time_s(graph, graph.tensors[u].producer)
+            cost[t] = sum(cost_model.graph_op_time_s(graph, computed_by(graph, u))
                           for u in closure)
     ratio = {t: cost[t] / max(1, graph.tensors[t].bytes) for t in cost}
     # Residuals of one role in every layer (same primitive, bytes and cost) are
@@ -141,7 +142,7 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     groups: dict[tuple[Any, ...], list[int]] = {}
     for t in sorted(cost, key=lambda t: (ratio[t], -graph.tensors[t].bytes, t)):
         key = (f"{ratio[t]:.6g}", graph.tensors[t].bytes,
-               graph.ops[graph.tensors[t].producer].primitive)
+               graph.ops[computed_by(graph, t)].primitive)
         groups.setdefault(key, []).append(t)
 
     def plan_dropping(dropped: list[int]) -> plan_lib.Plan:

@@ -232,7 +232,11 @@ class _Scores:
     def search(self, budget_bytes: int, choices: Sequence[str]
                ) -> tuple[dict[str, str], int, int, str, int]:
         """The fastest table within the budget: (table, device, host, status, tables scored)."""
-        best, best_key, fallback, fallback_key, scored = None, None, None, None, 0
+        best: tuple[dict[str, str], int, int] | None = None
+        fallback: tuple[dict[str, str], int, int] | None = None
+        best_key: tuple[float, int, int] | None = None     # None exactly when best is
+        fallback_key: tuple[int, float] | None = None
+        scored = 0
         for combo in itertools.product(choices, repeat=len(self.searched)):
             scored += 1
             table = {i.name: c for i, c in zip(self.searched, combo)}
@@ -242,11 +246,12 @@ class _Scores:
             kept = frozenset(n for n, c in table.items() if c != "remat")
             est = self.est_time_s(self.kept_flops[kept], host, device - self.base_peak)
             # Equal time: fewer host bytes (no link traffic for nothing), then less device memory.
-            if device <= budget_bytes and (best is None or (est, host, device) < best_key):
+            if device <= budget_bytes and (best_key is None or (est, host, device) < best_key):
                 best, best_key = (table, device, host), (est, host, device)
-            if fallback is None or (device, est) < fallback_key:
+            if fallback_key is None or (device, est) < fallback_key:
                 fallback, fallback_key = (table, device, host), (device, est)
         chosen, status = (best, "ok") if best is not None else (fallback, "over_budget")
+        assert chosen is not None  # choices has "save": the product has a table
         return (*chosen, status, scored)
 
 
@@ -413,8 +418,9 @@ def _refine(tr: _Tracer, scores: _Scores, fixed: Sequence[NameInfo], table: dict
             static_argnums: Sequence[int] | int, donate_argnums: Sequence[int] | int,
             notes: list[str]) -> tuple[dict[str, str], int, int, tuple[int, int, float]]:
     """Compile other tables of the front; keep the fitting one with the least compiled time."""
-    others = [p for p in scores.front(effective, choices)
-              if {**p[0], **{i.name: "remat" for i in fixed}} != table]
+    others: list[tuple[dict[str, str], int | None, int | None, float | None]] = [
+        p for p in scores.front(effective, choices)
+        if {**p[0], **{i.name: "remat" for i in fixed}} != table]
     # Spread the picks over the front, from the fastest to the smallest.
     if len(others) > refine:
         step = (len(others) - 1) / max(refine - 1, 1)

@@ -231,7 +231,7 @@ def remat(fn: F | None = None, *, prevent_cse: bool = True,
                                       policy=policy)
         return checkpointed(*args, **kwargs)
 
-    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    wrapper.__wrapped__ = fn
     return wrapper
 
 

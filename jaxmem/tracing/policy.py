@@ -42,7 +42,9 @@ logger = logging.getLogger(__name__)
 
 Decision = Literal["save", "remat", "offload"]
 DECISIONS: tuple[str, ...] = ("save", "remat", "offload")
-DecisionTable = Mapping[str, Decision]
+# Name -> a Decision. Typed with plain strings: tables come from users and planners as
+# dict[str, str], and every function taking one checks its values (check_decisions).
+DecisionTable = Mapping[str, str]
 # MaxText's spelling of the same three choices (its ``custom`` remat policy).
 MAXTEXT_SPELLING: dict[str, str] = {"save": "device", "remat": "remat", "offload": "offload"}
 

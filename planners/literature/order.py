@@ -124,9 +124,9 @@ class OrderProblem:
             read |= {root for r in list(read) for root in sched.roots.get(r, ())}
             reads.append(tuple(sorted(read & universe)))
         readers: dict[int, list[int]] = {}
-        for op, read in enumerate(reads):
-            for t in read:
-                readers.setdefault(t, []).append(op)
+        for o, ts in enumerate(reads):
+            for t in ts:
+                readers.setdefault(t, []).append(o)
         keep = frozenset(universe - freed)
         # The simulator frees a buffer at its last reader (or, if nobody reads it, right
         # after its producer) unless it is kept; check that this is what it does here.
@@ -146,8 +146,8 @@ class OrderProblem:
             pairs = tuple((out, inp) for out, inp in op.inplace
                           if out in steps[1 + op.id].alloc and inp in universe)
             inplace.append(pairs)
-        preds = [sorted({tensors[t].producer for t in op.inputs
-                         if tensors[t].producer is not None}) for op in graph.ops]
+        preds = [sorted({p for t in op.inputs if (p := tensors[t].producer) is not None})
+                 for op in graph.ops]
         succs: list[list[int]] = [[] for _ in range(n)]
         for o, ps in enumerate(preds):
             for p in ps:
@@ -302,7 +302,9 @@ def _grow(front: _Frontier, start: int, window: int) -> tuple[list[int], int, in
     prob = front.prob
     left = dict(front.left)
     waiting: dict[int, int] = {}
-    ops, op, live, rise = [], start, 0, 0
+    ops: list[int] = []
+    op: int | None = start
+    live, rise = 0, 0
     while op is not None and len(ops) < window:
         during, net = front.effect(op, left)
         rise = max(rise, live + during)
