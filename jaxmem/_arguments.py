@@ -189,7 +189,8 @@ def is_nnx_jit(fun: Any) -> bool:
 
 
 def split_call(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-               level: int, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...],
+               level: int | None, static_argnums: tuple[int, ...],
+               static_argnames: tuple[str, ...],
                donate_argnums: tuple[int, ...], donate_argnames: tuple[str, ...]
                ) -> tuple[Any, tuple[Any, ...], Callable[..., Any]]:
     """A call's cache key (``level`` is part of it), its dynamic arguments (positional,
@@ -224,7 +225,8 @@ def split_call(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     rebuild.__name__ = getattr(fun, "__name__", "step")
     # What JAX's trace errors name (the user's function, its file:line and argument
     # names, not this wrapper's), made only when the signature is traced (describe).
-    rebuild.describe = lambda: debug_info(fun, args, kwargs, static, kw_static, dyn)
+    rebuild.describe = (  # type: ignore[attr-defined]  # (as donated, arg_labels below)
+        lambda: debug_info(fun, args, kwargs, static, kw_static, dyn))
     donated = tuple(j for j, i in enumerate(dyn_pos) if i in {d % n for d in donate_argnums
                                                                if -n <= d < n})
     donated += tuple(len(dyn_pos) + j for j, k in enumerate(kw_dyn)

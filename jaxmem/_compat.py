@@ -45,7 +45,9 @@ def xla_cost_analysis(compiled: jax.stages.Compiled) -> dict[str, float]:
         analysis = _jax.hlo_module_cost_analysis
     except (ImportError, AttributeError) as err:
         raise RuntimeError(_NO_COST_ANALYSIS.format(version=jax.__version__, err=err)) from err
-    module: Any = compiled.runtime_executable().hlo_modules()[0]
+    executable = compiled.runtime_executable()
+    assert executable is not None  # (a compiled step has one)
+    module: Any = executable.hlo_modules()[0]
     client = jax.devices("cpu")[0].client
     return dict(analysis(client, module))
 

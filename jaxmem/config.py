@@ -14,7 +14,7 @@ import math
 import numbers
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -310,7 +310,7 @@ class _FrozenOptions(Mapping[str, Any]):
     def __getitem__(self, key: str) -> Any:
         return self._items[key]
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[str]:
         return iter(self._items)
 
     def __len__(self) -> int:

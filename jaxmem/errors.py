@@ -10,7 +10,7 @@ construct the analysis refuses, blocks without names to decide on.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from jaxmem.units import format_bytes
 
@@ -94,7 +94,8 @@ class InfeasibleBudgetError(ValueError):
                  "Config(on_over_budget='warn') to run the best plan anyway.")
         return text
 
-    def __reduce__(self):  # keep the fields through pickling (multiprocessing, pytest-xdist)
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # keep the fields through pickling (multiprocessing, pytest-xdist)
         return (type(self), (self.budget_bytes, self.best_compiled_bytes,
                              self.min_feasible_bytes, self.detail, self.planner,
                              self.floor_bytes, self.undonated))

@@ -323,8 +323,10 @@ class Optimized:
             cost_model, cost_notes = self._planning_costs((key, True), graph, target,
                                                           config, dyn)
             began = time.perf_counter()
-            plan = planners.get(config.planner).fn(
-                graph, config.budget_bytes(target), cost_model, config.planner_options())
+            planner = planners.get(config.planner).fn
+            assert planner is not None  # (Config checks that it names a planner, not a peer)
+            plan = planner(graph, config.budget_bytes(target), cost_model,
+                           config.planner_options())
             plan = plan.replace(notes=(*cost_notes, *plan.notes))
             self._counters["plans"] += 1
             self._counters["planning_s"] += time.perf_counter() - began
@@ -456,7 +458,7 @@ class Optimized:
                 return table[key]
             future, builder = self._building.get(job, (None, None))
             owner = future is None
-            if owner:
+            if future is None:
                 future = concurrent.futures.Future()
                 self._building[job] = (future, me)
         if not owner:
@@ -510,8 +512,10 @@ class Optimized:
             # Verified when it was stored: compile it once, run no planner, and check it again.
             jitted, compiled, dev, host = compile_plan(graph, cached, target, abstract, donated,
                                                        self._counters)
+            assert disk is not None  # (cached comes from it)
             cached = recheck_cached(disk, key, cached, dev, config, target, graph, abstract,
                                      donated, labels)
+        rounds: tuple[Round, ...]
         if cached is not None:
             plan, rounds = cached, (Round(cached.budget_bytes, cached, dev, host),)
         else:
@@ -592,7 +596,7 @@ class _Bound:
     def __init__(self, parent: Optimized, instance: Any) -> None:
         self._method = parent._as_method()
         self._instance = Static(instance)
-        self.__wrapped__ = parent.fun.__get__(instance)  # type: ignore[attr-defined]
+        self.__wrapped__ = parent.fun.__get__(instance)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._method(self._instance, *args, **kwargs)

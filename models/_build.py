@@ -208,6 +208,7 @@ def build(name: str, size: Size | str = "tiny", *, step: StepKind | str = "train
     key_args: tuple[Any, ...] = (jax.eval_shape(jax.random.key, 0),) if s.rngs else ()
     key_roles = ("other",) if s.rngs else ()
 
+    donate: tuple[int, ...]
     if step == "train":
         fn: Callable[..., Any] = keyed_train_step if s.rngs else train_step
         args: tuple[Any, ...] = (state_spec, batch_spec, *key_args)

@@ -32,7 +32,14 @@ from jax.tree_util import tree_structure
 
 from jaxmem import _compat
 from jaxmem.analysis import materialize as mat, opcost, sharding as sharding_lib
-from jaxmem.tracing.trace import Program, describe_source, flatten_with_barriers, trace
+from jaxmem.tracing.trace import (
+    Phase,
+    Program,
+    Role,
+    describe_source,
+    flatten_with_barriers,
+    trace,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -258,8 +265,9 @@ def analyse(program: Program, target: str = "h100") -> MemGraph:
         if eqn.primitive.name == "name" and _is_var(eqn.outvars[0]):
             t = b.ids[eqn.outvars[0]]
             names[t] = str(eqn.params.get("name"))
-            if alias[t] is not None:
-                names.setdefault(alias[t], names[t])
+            viewed = alias[t]
+            if viewed is not None:
+                names.setdefault(viewed, names[t])
 
     extra = mat.companion_bytes(jaxpr, b.ids, srcs, program.phases)
     # Under a mesh, every value counts one device's shard (see jaxmem.analysis.sharding).
@@ -320,8 +328,11 @@ def _scratch_bytes(eqn: Any, target: str) -> int:
         flattened = flatten_with_barriers(closed)
         flat = flattened.jaxpr
         n_in, eqns = len(flat.jaxpr.invars), flat.jaxpr.eqns
+        forward: Phase = "forward"
+        other: Role = "other"
+        phases, in_roles = (forward,) * len(eqns), (other,) * n_in
         body = Program(
-            jaxpr=flat, phases=("forward",) * len(eqns), in_roles=("other",) * n_in,
+            jaxpr=flat, phases=phases, in_roles=in_roles,
             donated=(False,) * n_in, in_tree=tree_structure([0] * n_in),
             out_tree=tree_structure([0] * len(flat.jaxpr.outvars)), in_shardings=(None,) * n_in,
             sources=tuple(describe_source(e.source_info) for e in eqns),

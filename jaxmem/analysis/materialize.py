@@ -219,6 +219,7 @@ def decide(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], producer: Sequence[int | 
     """
     n = len(producer)
     eqns = jaxpr.eqns
+    v: jcore.Var | jcore.Literal  # an equation's input or output
     # 1. Identity classes: views share their operand's bytes (rule 4).
     rep = list(range(n))
     for eqn in eqns:
@@ -291,8 +292,9 @@ def decide(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], producer: Sequence[int | 
     # A transpose of a buffer that only matmuls read is read in place (cuBLAS takes either
     # layout); it views that buffer.
     for t in range(n):
-        if rep[t] == t and materialized[t] and producer[t] is not None:
-            eqn = eqns[producer[t]]
+        p = producer[t]
+        if rep[t] == t and materialized[t] and p is not None:
+            eqn = eqns[p]
             if eqn.primitive.name == "transpose" and t not in forced and consumers[t] and all(
                     eqns[c].primitive.name == "dot_general" for c in consumers[t]):
                 src = ids[eqn.invars[0]] if _is_var(eqn.invars[0]) else None
@@ -311,20 +313,21 @@ def decide(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], producer: Sequence[int | 
     srcs: list[frozenset[int]] = [frozenset({t}) if producer[t] is None else frozenset()
                                   for t in range(n)]
     for eqn in eqns:
-        reads = frozenset().union(*(srcs[ids[v]] for v in eqn.invars if _is_var(v)))
+        read = frozenset().union(*(srcs[ids[v]] for v in eqn.invars if _is_var(v)))
         for v in eqn.outvars:
             if not _is_var(v):
                 continue
             t = ids[v]
-            if alias[t] is not None:
-                srcs[t] = frozenset({alias[t]})
+            a = alias[t]
+            if a is not None:
+                srcs[t] = frozenset({a})
             elif materialized[t] and eqn.primitive.name == "device_put" and is_host(v.aval) \
                     and t not in host_forced:
-                srcs[t] = frozenset({t}) | reads
+                srcs[t] = frozenset({t}) | read
             elif materialized[t]:
                 srcs[t] = frozenset({t})
             else:
-                srcs[t] = reads
+                srcs[t] = read
     return Decision(tuple(materialized), tuple(alias), tuple(srcs))
 
 
@@ -340,9 +343,10 @@ def _tensor_bytes(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], n: int) -> list[in
         v for e in jaxpr.eqns for v in e.outvars]
     for v in atoms:
         if _is_var(v) and v in ids:
-            dtype = getattr(v.aval, "dtype", None)
+            aval: Any = v.aval  # (a ShapedArray or a token's; JAX types it AbstractValue)
+            dtype = getattr(aval, "dtype", None)
             if dtype is not None:  # tokens have none; a PRNG key counts its key data
-                out[ids[v]] = math.prod(v.aval.shape) * _compat.itemsize(dtype)
+                out[ids[v]] = math.prod(aval.shape) * _compat.itemsize(dtype)
     return out
 
 
@@ -419,7 +423,9 @@ def companion_bytes(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int],
     for eqn in jaxpr.eqns:
         if eqn.primitive.name != "select_and_scatter_add":
             continue
-        source, operand = eqn.invars[0], eqn.invars[1]
+        # (Any: their avals are ShapedArrays, which JAX types as the base AbstractValue)
+        source: Any = eqn.invars[0]
+        operand: Any = eqn.invars[1]
         if not _is_var(operand):
             continue
         coords = len(source.aval.shape) * math.prod(source.aval.shape) * 4

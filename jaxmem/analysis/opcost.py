@@ -86,8 +86,9 @@ def body_flops(jaxpr: jcore.Jaxpr) -> float:
 
 def _flops(eqn: jcore.JaxprEqn) -> float:
     name = eqn.primitive.name
-    outs = [v.aval for v in eqn.outvars]
-    ins = [v.aval for v in eqn.invars]
+    # (Any: ShapedArrays, which JAX types as the base AbstractValue)
+    outs: list[Any] = [v.aval for v in eqn.outvars]
+    ins: list[Any] = [v.aval for v in eqn.invars]
     if name == "dot_general":
         (lhs_contract, _), _ = eqn.params["dimension_numbers"]
         k = math.prod(ins[0].shape[d] for d in lhs_contract)

@@ -140,6 +140,7 @@ def _body_outputs(body: jcore.ClosedJaxpr) -> list[tuple[str | None, str]]:
     jaxpr = flat.jaxpr
     producer: dict[Any, jcore.JaxprEqn] = {}
     name_of: dict[Any, str] = {}
+    v: jcore.Var | jcore.Literal
     for eqn in jaxpr.eqns:
         for v in eqn.outvars:
             producer[v] = eqn
@@ -149,7 +150,7 @@ def _body_outputs(body: jcore.ClosedJaxpr) -> list[tuple[str | None, str]]:
             if isinstance(eqn.invars[0], jcore.Var):
                 name_of.setdefault(eqn.invars[0], name)
     inputs = {v: i for i, v in enumerate(jaxpr.invars)}
-    out = []
+    out: list[tuple[str | None, str]] = []
     for v in jaxpr.outvars:
         # JAX passes saved residuals through reduce_precision (and offloaded ones
         # through device_put): look through such identities to the value itself.
@@ -161,8 +162,8 @@ def _body_outputs(body: jcore.ClosedJaxpr) -> list[tuple[str | None, str]]:
         elif v in inputs:
             out.append((name_of.get(v), f"body input {inputs[v]}"))
         else:
-            eqn = producer.get(v)
-            where = describe_source(eqn.source_info) if eqn is not None else "constant"
+            made_by = producer.get(v)
+            where = describe_source(made_by.source_info) if made_by is not None else "constant"
             out.append((name_of.get(v), where))
     return out
 

@@ -126,6 +126,7 @@ def _rule(eqn: Any, ins: list[tuple[tuple[int, ...], Spec]]) -> list[Spec | None
         return [p0]
     if name in mat.ELEMENTWISE or name in ("select_n", "clamp", "add_any"):
         return [_merge(o, ins) for o in outs]
+    out: list[tuple[str, ...]]
     if name == "broadcast_in_dim":
         out = [() for _ in outs[0]]
         for k, d in enumerate(params["broadcast_dimensions"]):

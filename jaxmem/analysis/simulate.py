@@ -278,6 +278,7 @@ def simulate_steps(graph: MemGraph, steps: Sequence[Step],
     live: dict[int, int] = {}
     live_total = 0
     per_step: list[int] = []
+    alive_at_peak: tuple[int, ...]
     peak, peak_step, alive_at_peak, peak_op = -1, 0, (), None
     events: list[tuple[str, int, int, int]] = []  # (kind "a"|"f"|"r", id, bytes, step)
     for i, step in enumerate(steps):

@@ -111,7 +111,7 @@ def read_buffer_assignment(text: str) -> list[Allocation]:
         m = _ALLOC.match(line)
         if m:
             if current is not None:
-                allocs.append(Allocation(*current[:3], tuple(current[3])))
+                allocs.append(Allocation(current[0], current[1], current[2], tuple(current[3])))
             rest = m.group(3)
             kind = ("parameter" if "parameter" in rest else "temp" if "preallocated-temp" in rest
                     else "thread-local" if "thread-local" in rest
@@ -123,8 +123,8 @@ def read_buffer_assignment(text: str) -> list[Allocation]:
         if v and current is not None:
             current[3].append((v.group(1), int(v.group(2)), v.group(3)))
         elif line.strip() and not line.startswith(" ") and current is not None:
-            allocs.append(Allocation(*current[:3], tuple(current[3])))
+            allocs.append(Allocation(current[0], current[1], current[2], tuple(current[3])))
             current = None
     if current is not None:
-        allocs.append(Allocation(*current[:3], tuple(current[3])))
+        allocs.append(Allocation(current[0], current[1], current[2], tuple(current[3])))
     return allocs

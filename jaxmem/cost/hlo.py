@@ -225,6 +225,7 @@ class _Totals:
         if name in self._memo:
             return self._memo[name]
         total = [0.0] * 6
+        part: tuple[float, ...]
         for op in self._computations[name]:
             if op.control is None:
                 part = (op.flops, op.matmul_flops, op.transcendentals, op.bytes_accessed,

@@ -205,6 +205,7 @@ def report(compiled: jax.stages.Compiled, target: "str | _targets.Target" = "h10
         raise RuntimeError(f"XLA gave no memory analysis for this step on target {t.name!r}; "
                            "jaxmem needs it to measure memory")
     text = compiled.as_text()
+    assert text is not None  # (XLA prints every step it compiles)
     cost = analyze(text)
     estimate = CostModel.for_target(t).step_time(cost)
     device, host = compiled_bytes(stats)

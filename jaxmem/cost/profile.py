@@ -187,7 +187,9 @@ def op_times(graph: Any, *args: Any, repeats: int = DEFAULT_REPEATS,
     # On the CPU, compiled as jaxmem compiles for its cpu target (memory-aware scheduler).
     options = targets_lib.get("cpu").compiler_options if device.platform == "cpu" else None
     compiled = jax.jit(_scoped(program)).lower(*flat).compile(compiler_options=options)
-    hlo = parse_module(compiled.as_text())
+    text = compiled.as_text()
+    assert text is not None  # (XLA prints every step it compiles)
+    hlo = parse_module(text)
     instructions = with_folded_equations(instruction_map(hlo), graph)
     jax.block_until_ready(compiled(*flat))  # warm-up
     walls = []

@@ -197,7 +197,7 @@ def host_update_group(graph: Any, on_host: Sequence[int]) -> HostGroup:
     made = {w for op in group for w in outs(op)}
     sent = sorted({t for op in group for t in v.inputs_of(op) if t not in made})
     written_slots = updates(graph, sorted(mine))
-    written = sorted({v.outputs[s] for s in written_slots} & made)
+    written = sorted(made.intersection(v.outputs[s] for s in written_slots))
     needed = {t for op in range(v.n_ops) if op not in group for t in v.inputs_of(op)}
     needed.update(t for s, t in enumerate(v.outputs) if t is not None and s not in written_slots)
     return HostGroup(ops=tuple(sorted(group)), sent=tuple(sent),

@@ -325,7 +325,10 @@ def build_schedule(graph_or_view: Any, plan: Plan) -> Schedule:
     def record(ev: Event) -> None:
         events.append(ev)
         for t_out, w in zip(v.out_slots[ev.op] if ev.op is not None else (), ev.writes):
-            if w is not None and not real[t_out]:
+            if w is None:
+                continue
+            assert t_out is not None  # (an output written is a tensor)
+            if not real[t_out]:
                 roots[w] = frozenset().union(*(roots_of(r) for r in ev.reads if r is not None))
                 made_at[w] = len(events)
 
@@ -436,9 +439,9 @@ def build_schedule(graph_or_view: Any, plan: Plan) -> Schedule:
         reads = tuple(None if u is None else resolve(u, c, memo, reader=c)
                       for u in v.in_slots[c])
         record(Event("op", c, c, (), reads, v.out_slots[c]))
-        for t in v.out_slots[c]:
-            if t is not None and t in plan.offload:
-                events.append(Event("offload", None, c, (t,), (t,), ()))
+        for t_out in v.out_slots[c]:
+            if t_out is not None and t_out in plan.offload:
+                events.append(Event("offload", None, c, (t_out,), (t_out,), ()))
     final = tuple(None if t is None else cur[t] for t in v.outputs)
     return Schedule(view=v, events=tuple(events), tensor_of=types.MappingProxyType(tensor_of),
                     roots=types.MappingProxyType(roots), final=final,

@@ -145,7 +145,7 @@ def _build_view(obj: Any) -> View:
     for k, eqn in enumerate(jaxpr.eqns):
         in_slots.append(tuple(None if isinstance(a, jcore.Literal) or a in consts else ids[a]
                               for a in eqn.invars))
-        outs = []
+        outs: list[int | None] = []
         for v in eqn.outvars:
             if isinstance(v, jcore.DropVar):
                 outs.append(None)
@@ -195,11 +195,11 @@ def _build_view(obj: Any) -> View:
     sources: list[frozenset[int]] = [frozenset((t,)) for t in range(len(nbytes))]
     buffer_reads = []
     for k in range(len(in_slots)):
-        reads = frozenset().union(*(sources[t] for t in in_slots[k] if t is not None))
-        buffer_reads.append(tuple(sorted(reads)))
+        read = frozenset().union(*(sources[t] for t in in_slots[k] if t is not None))
+        buffer_reads.append(tuple(sorted(read)))
         for t in out_slots[k]:
             if t is not None and not materialized[t]:
-                sources[t] = reads
+                sources[t] = read
     return View(n_inputs=len(jaxpr.invars), bytes=tuple(nbytes), materialized=tuple(materialized),
                 producer=tuple(producer), in_slots=tuple(in_slots), out_slots=tuple(out_slots),
                 outputs=outputs, donated=donated, reissuable=tuple(reissuable),

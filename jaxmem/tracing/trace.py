@@ -216,7 +216,7 @@ class _Flattener:
             scope: int | None, fresh: bool, hidden: frozenset[Any] = frozenset()) -> None:
         """Splice ``jaxpr``'s equations; ``hidden``: its variables that hold a constant the
         plain step passes across a call boundary (see :attr:`Program.hidden_constants`)."""
-        hidden = set(hidden)
+        hiding = set(hidden)  # (grows: results of calls that return one)
         for eqn in jaxpr.eqns:
             invars = [_read(env, v) for v in eqn.invars]
             body = _call_body(eqn)
@@ -234,7 +234,7 @@ class _Flattener:
                 # parameters: what is constant outside is opaque inside.
                 inner_hidden = {v for v, a in zip(inner.invars, eqn.invars)
                                 if (call and self._is_constant(_read(env, a)))
-                                or (isinstance(a, jcore.Var) and a in hidden)}
+                                or (isinstance(a, jcore.Var) and a in hiding)}
                 if call:
                     inner_hidden.update(inner.constvars)
                 if len(inner.invars) != len(invars):
@@ -262,7 +262,7 @@ class _Flattener:
                         env[outer] = _read(inner_env, inner_out)
                         if (call and self._is_constant(env[outer])) or (
                                 isinstance(inner_out, jcore.Var) and inner_out in inner_hidden):
-                            hidden.add(outer)  # the caller reads the call's result
+                            hiding.add(outer)  # the caller reads the call's result
                 continue
             if fresh:
                 outvars = [jcore.DropVar(v.aval) if isinstance(v, jcore.DropVar)
@@ -274,7 +274,7 @@ class _Flattener:
                     env[old] = new
             info = eqn.source_info.replace(name_stack=name_stack + eqn.source_info.name_stack)
             self.hidden.extend((len(self.eqns), i) for i, v in enumerate(eqn.invars)
-                               if isinstance(v, jcore.Var) and v in hidden)
+                               if isinstance(v, jcore.Var) and v in hiding)
             if not eqn.effects and all(self._is_constant(a) for a in invars):
                 self.constant.update(v for v in outvars if not isinstance(v, jcore.DropVar))
             self.eqns.append(jcore.new_jaxpr_eqn(
@@ -466,7 +466,7 @@ def _check_role(role: Any, index: int) -> Role:
         raise ValueError(f"arg_roles[{index}] is {role!r}; allowed roles: {', '.join(ROLES)} "
                          f"(or a pytree prefix of them). Fix: pass e.g. arg_roles=('param', "
                          f"'opt_state', 'batch').")
-    return role  # type: ignore[return-value]
+    return role
 
 
 def _fill_unknown(sources: list[str]) -> tuple[str, ...]:
@@ -506,6 +506,7 @@ def _in_device_memory(x: Any) -> Any:
     sharding = getattr(x, "sharding", None)
     if getattr(sharding, "memory_kind", None) not in HOST_MEMORY_KINDS:
         return x
+    assert sharding is not None  # (its memory kind is a host one)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.with_memory_kind("device"),
                                 weak_type=bool(getattr(x, "weak_type", False)))
 

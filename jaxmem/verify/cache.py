@@ -134,7 +134,8 @@ class PlanCache:
             self.directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=self.directory)
         except OSError as err:
-            return self._cannot_write(self.directory, err)
+            self._cannot_write(self.directory, err)
+            return None
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(record, f)
@@ -143,7 +144,8 @@ class PlanCache:
             os.replace(tmp, self.path(key))
         except OSError as err:  # a full disk, a folder in the way of the entry
             Path(tmp).unlink(missing_ok=True)
-            return self._cannot_write(self.path(key), err)
+            self._cannot_write(self.path(key), err)
+            return None
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

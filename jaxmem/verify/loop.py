@@ -136,6 +136,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
 
     counters = counters if counters is not None else {}
     planner = planners.get(config.planner).fn
+    assert planner is not None  # (Config checks that it names a planner, not a peer policy)
     made: list[tuple[Any, Sequence[str]]] = [] if cost_model is None else [
         (cost_model, cost_notes)]
 
@@ -483,7 +484,8 @@ def effective_config(config: Config, level: int | None) -> Config:
         return config
     level_lib.warn_if_level4_unavailable(level)
     allowed = level_lib.allowances(level)
-    return dataclasses.replace(config, **{k: v for k, v in allowed.items() if k != "enabled"})
+    overrides: dict[str, Any] = {k: v for k, v in allowed.items() if k != "enabled"}
+    return dataclasses.replace(config, **overrides)
 
 
 def plan_key(graph: Any, config: Config, target: targets_lib.Target) -> str:
