@@ -590,8 +590,10 @@ def _alternatives(best: _Scored, fits: list[_Scored], budget_bytes: int, started
     def add(s: _Scored, why: str) -> None:
         seen.add(s.plan.decisions())
         own = solver is not None and s is solver[0]
-        status, lower, gap, solver_status = (("ok", *solver[1:]) if own else
-                                             ("fallback", None, None, ""))
+        if solver is not None and own:
+            status, lower, gap, solver_status = ("ok", *solver[1:])
+        else:
+            status, lower, gap, solver_status = ("fallback", None, None, "")
         out.append(s.plan.replace(
             planner=NAME, budget_bytes=budget_bytes, predicted_peak_bytes=s.peak_bytes,
             predicted_time_s=s.time_s, status=status, source=s.name,

@@ -244,7 +244,7 @@ class Plan:
             "placement": {str(k): v for k, v in self.placement.items()},
             "planner": self.planner, "budget_bytes": self.budget_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
-            "predicted_time_s": self.predicted_time_s, "status": self.status.value,
+            "predicted_time_s": self.predicted_time_s, "status": Status(self.status).value,
             "solve_time_s": self.solve_time_s, "lower_bound": self.lower_bound, "gap": self.gap,
             "notes": list(self.notes), "bound_unit": self.bound_unit,
             "block_decisions": dict(self.block_decisions),
