@@ -20,20 +20,10 @@ When set, the level overrides the ``allow_*`` fields of :class:`jaxmem.Config`.
 
 from __future__ import annotations
 
-import functools
-import logging
 import os
-
-logger = logging.getLogger(__name__)
 
 ENV_VAR = "JAXMEM_LEVEL"
 LEVELS = (0, 1, 2, 3, 4)
-
-# Parameter / optimizer-state placement: emitted by jaxmem.emit and planned by
-# the greedy planner (jaxmem.plans.placement) and cpsat through it; planners that do not place
-# state ignore the flag.
-_STATE_PLACEMENT_AVAILABLE = True
-
 
 def read() -> int | None:
     """The level from the environment, or ``None`` when ``JAXMEM_LEVEL`` is unset or empty.
@@ -64,17 +54,5 @@ def allowances(level: int) -> dict[str, bool]:
         "allow_reorder": level >= 1,
         "allow_remat": level >= 2,
         "allow_offload": level >= 3,
-        "allow_state_offload": level >= 4 and _STATE_PLACEMENT_AVAILABLE,
+        "allow_state_offload": level >= 4,
     }
-
-
-def warn_if_level4_unavailable(level: int) -> None:
-    """Say once per process that level 4 currently behaves as level 3."""
-    if level == 4 and not _STATE_PLACEMENT_AVAILABLE:
-        _warn_level4_once()
-
-
-@functools.cache
-def _warn_level4_once() -> None:
-    logger.warning("%s=4: parameter/optimizer-state placement is not implemented yet; "
-                   "behaving as level 3 (reorder + remat + activation offload)", ENV_VAR)

@@ -308,7 +308,7 @@ def _scratch_bytes(eqn: Any, target: str) -> int:
     count).
     """
     name = eqn.primitive.name
-    if name == "select_and_scatter_add" and not mat.COORDS_IN_FORWARD:
+    if name == "select_and_scatter_add":
         # XLA finds each window's argmax as one s32 coordinate per dimension of the
         # pooled shape, beside the pooled values, just before the scatter.
         source = eqn.invars[0].aval

@@ -392,9 +392,6 @@ def _aval_of(eqn: jcore.JaxprEqn, ids: Mapping[Any, int], t: int) -> Any:
     raise KeyError(t)
 
 
-COORDS_IN_FORWARD = False
-
-
 def companion_bytes(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int],
                     sources: Sequence[frozenset[int]],
                     phases: Sequence[str] | None = None) -> dict[int, int]:
@@ -423,12 +420,10 @@ def companion_bytes(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int],
     for eqn in jaxpr.eqns:
         if eqn.primitive.name != "select_and_scatter_add":
             continue
-        # (Any: their avals are ShapedArrays, which JAX types as the base AbstractValue)
-        source: Any = eqn.invars[0]
+        # (Any: its aval is a ShapedArray, which JAX types as the base AbstractValue)
         operand: Any = eqn.invars[1]
         if not _is_var(operand):
             continue
-        coords = len(source.aval.shape) * math.prod(source.aval.shape) * 4
         zeros = 0
         relu = producers.get(ids[operand])
         if relu is not None and relu.primitive.name == "max" and any(
@@ -442,6 +437,5 @@ def companion_bytes(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int],
         if phases is not None and relu is not None and phases[eqn_index[id(relu)]] != "forward":
             continue  # a ReLU recomputed in the backward: its zeros die with it
         if same:
-            extra[same[0]] = extra.get(same[0], 0) + zeros + (
-                coords if COORDS_IN_FORWARD else 0)
+            extra[same[0]] = extra.get(same[0], 0) + zeros
     return extra

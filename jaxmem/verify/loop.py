@@ -482,7 +482,6 @@ def effective_config(config: Config, level: int | None) -> Config:
     """``config`` with its ``allow_*`` fields overridden by a ``JAXMEM_LEVEL`` level."""
     if level is None:
         return config
-    level_lib.warn_if_level4_unavailable(level)
     allowed = level_lib.allowances(level)
     overrides: dict[str, Any] = {k: v for k, v in allowed.items() if k != "enabled"}
     return dataclasses.replace(config, **overrides)
