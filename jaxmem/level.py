@@ -25,6 +25,7 @@ import os
 ENV_VAR = "JAXMEM_LEVEL"
 LEVELS = (0, 1, 2, 3, 4)
 
+
 def read() -> int | None:
     """The level from the environment, or ``None`` when ``JAXMEM_LEVEL`` is unset or empty.
 
