@@ -31,7 +31,11 @@ The registry (:func:`jaxmem.planners.register`) wraps each planner function so t
   random bits included, into the reductions that read it (a LayerNorm's mean and
   its gradient's sums), where the plain step reads a buffer, and the fused sums
   add in another order: GPT-2's embedding dropout re-issued changed 56,838 of its
-  gradient elements. The re-issue is dropped and the plan re-simulated.
+  gradient elements. The re-issue is dropped and the plan re-simulated;
+* under ``bitwise=True``, no plan re-issues a reduction that XLA:CPU would then compute
+  otherwise than in the plain step (:func:`refused_reductions`): inside the loop of its
+  one reader where the plain step gives it a kernel of its own, or the other way round
+  (the two sum in other orders). The re-issue is dropped and the plan re-simulated.
 
 >>> import jax, jax.numpy as jnp
 >>> from jaxmem.analysis.graph import build_graph
@@ -311,6 +315,162 @@ def without_masked_sums(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
         "the plain step's")
 
 
+# XLA:CPU's elementwise ops that it does not recompute in each reader (``IsExpensive`` in
+# xla/service/cpu/cpu_instruction_fusion.cc: a division by a value that is not a constant,
+# and the transcendental ops but sine, cosine and tangent): one with two readers, or read by
+# an op that uses each of its elements several times (a broadcast), is a kernel of its own.
+_EXPENSIVE = frozenset({
+    "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "erf", "erf_inv", "erfc",
+    "pow", "rsqrt", "sqrt", "cbrt", "lgamma", "digamma", "atan2", "asin", "acos", "atan",
+    "sinh", "cosh", "asinh", "acosh", "atanh", "igamma", "polygamma", "zeta", "log2"})
+# XLA:CPU gives a floating-point reduction to its YNNPACK library fusion, a kernel of its own
+# whatever reads it, when the reduction or its operand has this many elements or more
+# (``IsInstructionPreferredByYnn`` in xla/backends/cpu/ynn_support.cc).
+_YNN_MIN_ELEMENTS = 4096
+
+
+def _reduction_fused_alone(graph: Any, schedule: Any, version: int,
+                           readers: Mapping[int, set[int]], constant: frozenset[int]) -> bool:
+    """Whether XLA:CPU computes ``version`` (a reduction's output) inside the loop of its
+    one reader rather than as a kernel of its own.
+
+    XLA:CPU's instruction fusion takes a reduction into the loop fusion that reads it when
+    that fusion is its only reader and reads each of its elements once; a reduction two
+    fusions read (or one reads through a broadcast) is not duplicated and keeps a kernel of
+    its own. The readers are followed through the values XLA fuses (not
+    ``Tensor.materialized``) up to the kernels that read them: buffers, reductions, ops that
+    fuse nothing in, and the expensive elementwise ops (:data:`_EXPENSIVE`) that XLA does not
+    recompute per reader.
+    """
+    import math
+
+    from jaxmem.analysis.materialize import is_fusible
+    from jaxmem.plans.view import REDUCTIONS
+
+    view, events = schedule.view, schedule.events
+
+    def size(v: int) -> int:
+        return math.prod(graph.tensors[schedule.tensor(v)].shape)
+
+    def reused(v: int, ev: Any) -> bool:
+        return view.primitives[ev.op] not in REDUCTIONS and any(
+            size(w) > size(v) for w in ev.writes if w is not None)
+
+    def expensive(op: int) -> bool:
+        primitive = view.primitives[op]
+        if primitive == "div":
+            slots = view.in_slots[op]
+            return len(slots) > 1 and slots[1] is not None and slots[1] not in constant
+        return primitive in _EXPENSIVE
+
+    kernels: set[Any] = {"output"} if version in schedule.final else set()
+    reuse = False
+    todo, seen = [(version, False)], {(version, False)}
+    while todo:
+        v, through = todo.pop()
+        for i in readers.get(v, ()):
+            ev = events[i]
+            if ev.op is None or ev.kind not in ("op", "remat", "fused"):
+                kernels.add(i)
+                continue
+            writes = [w for w in ev.writes if w is not None]
+            r = through or reused(v, ev)
+            kernel = (not writes or view.primitives[ev.op] in REDUCTIONS
+                      or not is_fusible(view.primitives[ev.op])
+                      or any(view.materialized[schedule.tensor(w)] or w in schedule.final
+                             for w in writes))
+            if not kernel and expensive(ev.op):
+                reads = [(w, events[j]) for w in writes for j in readers.get(w, ())]
+                kernel = len(reads) > 1 or any(reused(w, e) for w, e in reads)
+            if kernel:
+                kernels.add(i)
+                reuse = reuse or r
+                continue
+            for w in writes:
+                if (w, r) not in seen:
+                    seen.add((w, r))
+                    todo.append((w, r))
+    return len(kernels) == 1 and not reuse
+
+
+def refused_reductions(graph: Any, plan: plan_lib.Plan) -> frozenset[int]:
+    """Re-issued reductions some copy of which XLA:CPU computes otherwise than the plain step.
+
+    A reduction is computed either as a kernel of its own or inside the loop of its one
+    reader (:func:`_reduction_fused_alone`), and the two sum in other orders (the kernel
+    is vectorized; the loop adds one element after another). A re-issue splits the readers
+    of a reduction between its copies: the forward LayerNorm's sum of squares, read by the
+    forward rsqrt and by the backward pass in the plain step, kept its kernel there; re-issued
+    for the backward pass, its first copy was left to the rsqrt, which computed it in its
+    loop, and 71 of 512 elements of a kernel's gradient changed. Each copy the planned step
+    reads is compared with the plain step's reduction. Reductions that XLA:CPU gives to its
+    YNNPACK library (:data:`_YNN_MIN_ELEMENTS`) are kernels of their own either way.
+    """
+    if not plan.remat:
+        return frozenset()
+    import math
+
+    from jaxmem.plans.view import REDUCTIONS
+
+    view = plan_lib.view(graph)
+
+    def small(t: int) -> bool:
+        op = graph.ops[view.producer[t]]
+        return all(math.prod(graph.tensors[u].shape) < _YNN_MIN_ELEMENTS
+                   for u in (*op.inputs, *op.outputs))
+
+    reductions = [t for t in plan.remat
+                  if view.primitives[view.producer[t]] in REDUCTIONS and small(t)]
+    if not reductions:
+        return frozenset()
+    constant = constant_tensors(graph)
+    planned = plan_lib.build_schedule(view, plan)
+    plain = plan_lib.build_schedule(view, plan_lib.unplanned(graph))
+    readers, plain_readers = _live_readers(planned), _live_readers(plain)
+    out = set()
+    for t in reductions:
+        alone = _reduction_fused_alone(graph, plain, t, plain_readers, constant)
+        versions = [t] + [w for ev in planned.events if ev.kind == "remat" for w in ev.writes
+                          if w is not None and planned.tensor(w) == t]
+        if any(_reduction_fused_alone(graph, planned, w, readers, constant) != alone
+               for w in versions if w in readers or w in planned.final):
+            out.add(t)
+    return frozenset(out)
+
+
+def _live_readers(schedule: Any) -> dict[int, set[int]]:
+    """Version -> the events that read it, among those whose results are used (XLA drops
+    the others)."""
+    live = {w for w in schedule.final if w is not None}
+    readers: dict[int, set[int]] = {}
+    for i in range(len(schedule.events) - 1, -1, -1):
+        ev = schedule.events[i]
+        if ev.kind in ("op", "remat", "fused") and not any(w in live for w in ev.writes):
+            continue
+        for r in ev.reads:
+            if r is not None:
+                live.add(r)
+                readers.setdefault(r, set()).add(i)
+    return readers
+
+
+def without_refused_reductions(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
+    """``plan`` without re-issues of :func:`refused_reductions`, re-simulated (until none is
+    left: a dropped re-issue gives its readers back to the other copies)."""
+    dropped: set[int] = set()
+    kept = plan
+    while True:
+        more = refused_reductions(graph, kept)
+        if not more:
+            break
+        dropped |= more
+        kept = kept.replace(remat={t: p for t, p in kept.remat.items() if t not in dropped})
+    return _without_reissues(
+        graph, plan, sorted(dropped), "reductions XLA:CPU would fuse otherwise",
+        "XLA:CPU computes a reduction inside the loop of its one reader, or as a kernel of "
+        "its own where several read it, and the two sum in other orders")
+
+
 def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool = True
                ) -> plan_lib.Plan:
     """``plan`` under the rules of the module docstring that follow planning: no decision on
@@ -319,7 +479,8 @@ def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool =
     if not bitwise:
         return plan
     plan = without_masked_sums(graph, plan)
-    return with_scaled_operands(graph, plan)
+    plan = with_scaled_operands(graph, plan)
+    return without_refused_reductions(graph, plan)
 
 
 def principled(name: str, fn: Callable[..., plan_lib.Plan],
