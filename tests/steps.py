@@ -7,6 +7,7 @@ the same bits leaf by leaf (PRNG keys compared by their key data).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -34,8 +35,10 @@ def mlp_args(layers: int = 3, batch: int = 32, width: int = 16, hidden: int = 64
     return params, jax.random.normal(keys[-1], (batch, width))
 
 
+@functools.lru_cache(maxsize=None)
 def zoo_case(name: str, target: str = "cpu") -> tuple[Any, Any, Any]:
-    """``(zoo step, its arguments placed for target, its MemGraph)`` of a tiny train step."""
+    """``(zoo step, its arguments placed for target, its MemGraph)`` of a tiny train step
+    (built once per process)."""
     zs = zoo.build(name, "tiny", step="train")
     args = zs.make_args(seed=0)
     if target != "cpu":

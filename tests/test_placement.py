@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +23,6 @@ def _leaves_equal(a, b) -> bool:
     return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
-@functools.lru_cache(maxsize=None)
 def _inputs(graph, role: str) -> list[int]:
     return [t for t in graph.inputs if graph.tensors[t].role == role and graph.tensors[t].shape]
 

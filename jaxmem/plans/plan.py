@@ -67,6 +67,9 @@ class Status(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    def __repr__(self) -> str:
+        return repr(self.value)
+
 
 STATUSES: tuple[str, ...] = tuple(s.value for s in Status)
 
