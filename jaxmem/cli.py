@@ -254,7 +254,7 @@ def _cell(x: float | None) -> str:
 
 
 def _write_report(entry: Any, directory: str) -> None:
-    for path in entry.plan.report(directory):
+    for path in entry.plan.write_report(directory):
         print(f"wrote {path}")
 
 

@@ -148,7 +148,7 @@ def optimize(fun: Callable[..., Any] | None = None, *, config: Config | None = N
 
     Returns:
       An :class:`Optimized` step: call it like the function; ``.plan(*args)``
-      (its ``.report(dir)`` draws the memory report), ``.verified(*args)``,
+      (its ``.write_report(dir)`` draws the memory report), ``.verified(*args)``,
       ``.lower(*args)``, ``.measure(*args)``, ``.cache_info()``, ``__wrapped__``.
     """
     if fun is None:

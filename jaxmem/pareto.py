@@ -409,7 +409,7 @@ class _Sweep:
             return Point(status=f"error: {type(err).__name__}: {first}", compiled_bytes=None,
                          host_bytes=None, est_step_time_s=None, solve_time_s=None,
                          elapsed_s=time.perf_counter() - start, rounds=0, plan=None, **common)
-        plan = plan.replace(graph=self.graph)  # so that point.plan.report(dir) can draw it
+        plan = plan.replace(graph=self.graph)  # so that point.plan.write_report(dir) can draw it
         status = "ok" if rep.device_bytes <= budget_bytes else "over_budget"
         point = Point(status=status, compiled_bytes=rep.device_bytes, host_bytes=rep.host_bytes,
                       est_step_time_s=rep.est_step_time_s,

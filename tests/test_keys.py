@@ -130,7 +130,7 @@ def test_measure_explain_and_report_take_keys(tmp_path):
     table = jaxmem.explain(step, *args, target="h100").table()
     assert "peak" in table
     cfg = jaxmem.Config(budget="1GiB", target="h100", planner="greedy")
-    png, html = jaxmem.optimize(step, config=cfg).plan(*args).report(tmp_path)
+    png, html = jaxmem.optimize(step, config=cfg).plan(*args).write_report(tmp_path)
     assert png.stat().st_size > 0 and html.stat().st_size > 0
 
 

@@ -69,7 +69,7 @@ def test_ok_points_compile_within_their_budget(h100_sweep):
         assert p.plan is not None and p.plan.planner == H100.planner and p.rounds >= 1
         assert p.est_step_time_s > 0 and p.host_bytes is not None and p.solve_time_s >= 0
         assert p.report.device_bytes == p.compiled_bytes and p.monotone
-        assert p.plan.graph is not None  # so that p.plan.report(dir) can draw it
+        assert p.plan.graph is not None  # so that p.plan.write_report(dir) can draw it
 
 
 def test_explicit_budgets_in_every_form():

@@ -1,4 +1,5 @@
-"""The memory report: host bytes over the schedule, ``Plan.report`` and the graph a plan carries."""
+"""The memory report: host bytes over the schedule, ``Plan.write_report`` and the graph a plan
+carries."""
 
 from __future__ import annotations
 
@@ -95,12 +96,12 @@ def test_plan_of_an_optimized_step_reports_without_a_graph(tmp_path):
     step, args = _step()
     plan = step.plan(*args)
     assert plan.graph is not None
-    png, page = plan.report(tmp_path / "unverified")
+    png, page = plan.write_report(tmp_path / "unverified")
     assert png.read_bytes()[:8] == PNG and "Decisions" in page.read_text()
     verified = step.verified(*args)
     assert verified.plan.graph is verified.graph and verified.fallback is None
     assert step.plan(*args) is verified.plan  # the verified plan, once there is one
-    png, _ = verified.plan.report(tmp_path / "verified", budget_bytes=1 << 20)
+    png, _ = verified.plan.write_report(tmp_path / "verified", budget_bytes=1 << 20)
     assert png.name == "report.png" and png.parent.name == "verified"
 
 
@@ -112,7 +113,7 @@ def test_a_plan_read_from_json_needs_the_graph(tmp_path):
     assert "graph" not in repr(plan) and "graph" not in plan.to_json()
     with pytest.raises(ValueError,
                        match=r"carries none.*graph=jaxmem\.analysis\.graph\.build_graph"):
-        loaded.report(tmp_path)
+        loaded.write_report(tmp_path)
     assert not list(tmp_path.iterdir())
-    png, _ = loaded.report(tmp_path, graph=plan.graph)
+    png, _ = loaded.write_report(tmp_path, graph=plan.graph)
     assert png.exists()

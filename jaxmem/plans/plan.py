@@ -92,11 +92,11 @@ class Candidate:
 _NOT_IN_JSON = frozenset({"graph", "alternatives"})
 
 _NO_GRAPH = (
-    "Plan.report needs the MemGraph the {planner} plan was made for, and this plan carries none "
-    "(a plan read from JSON or returned by a planner called directly has none). Pass it: "
-    "plan.report(path, graph=jaxmem.analysis.graph.build_graph(step_fn, *args, target=..., "
-    "donate_argnums=...)) with the target and donation the plan was made for, or report the plan "
-    "of an @jaxmem.optimize step, step.plan(*args), which carries its graph.")
+    "Plan.write_report needs the MemGraph the {planner} plan was made for, and this plan carries "
+    "none (a plan read from JSON or returned by a planner called directly has none). Pass it: "
+    "plan.write_report(path, graph=jaxmem.analysis.graph.build_graph(step_fn, *args, "
+    "target=..., donate_argnums=...)) with the target and donation the plan was made for, or "
+    "report the plan of an @jaxmem.optimize step, step.plan(*args), which carries its graph.")
 
 
 def _frozen_map(m: Mapping[Any, Any] | None, value: Any) -> Mapping[Any, Any]:
@@ -316,7 +316,7 @@ class Plan:
 
         return to_policy(dict(self.block_decisions))
 
-    def report(self, path: "str | os.PathLike[str]", graph: Any = None,
+    def write_report(self, path: "str | os.PathLike[str]", graph: Any = None,
                budget_bytes: int | None = None) -> tuple[Path, Path]:
         """Write the memory report (``report.png`` and ``report.html``) into directory ``path``.
 
@@ -340,7 +340,8 @@ class Plan:
         >>> import jax, jax.numpy as jnp, jaxmem, tempfile
         >>> step = jaxmem.optimize(lambda w, x: jax.grad(lambda w: jnp.tanh(x @ w).sum())(w),
         ...                        config=jaxmem.Config(budget="1GiB", target="cpu"))
-        >>> png, page = step.plan(jnp.ones((8, 8)), jnp.ones((4, 8))).report(tempfile.mkdtemp())
+        >>> plan = step.plan(jnp.ones((8, 8)), jnp.ones((4, 8)))
+        >>> png, page = plan.write_report(tempfile.mkdtemp())
         >>> png.name, page.name
         ('report.png', 'report.html')
         """

@@ -6,7 +6,7 @@ Unstable: the layout of the picture and page may change.
 schedule, before and after the plan, stacked by tensor role, the budget as a
 line and each peak marked; below, the pinned-host bytes over the same steps)
 and ``report.html`` (the picture embedded, the device and host peaks, and the
-plan's decisions with the user's source lines). ``Plan.report(dir)`` calls it.
+plan's decisions with the user's source lines). ``Plan.write_report(dir)`` calls it.
 matplotlib is imported only here, inside the functions that draw.
 
 >>> import jax, jax.numpy as jnp, jaxmem, tempfile
