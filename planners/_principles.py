@@ -414,13 +414,18 @@ def refused_reductions(graph: Any, plan: plan_lib.Plan) -> frozenset[int]:
 
     view = plan_lib.view(graph)
 
+    def producer(t: int) -> int:
+        p = view.producer[t]
+        assert p is not None  # a re-issued value is an op's output
+        return p
+
     def small(t: int) -> bool:
-        op = graph.ops[view.producer[t]]
+        op = graph.ops[producer(t)]
         return all(math.prod(graph.tensors[u].shape) < _YNN_MIN_ELEMENTS
                    for u in (*op.inputs, *op.outputs))
 
     reductions = [t for t in plan.remat
-                  if view.primitives[view.producer[t]] in REDUCTIONS and small(t)]
+                  if view.primitives[producer(t)] in REDUCTIONS and small(t)]
     if not reductions:
         return frozenset()
     constant = constant_tensors(graph)
