@@ -194,7 +194,7 @@ def test_ties_and_copies_leave_the_simplifiers_chains_alone(case, seed):
     "together with the add that reads it lets XLA's CPU compiler compute the new tanh "
     "inside the backward's sin/cos fusion, while the plain step reads it from its own "
     "tanh kernel (the only fusion that differs between the two compiled programs); the "
-    "last bits of the gradients change. The emitter before the chain fix differed too."))
+    "last bits of the gradients change."))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_reissued_tanh_with_its_residual_add_is_not_bitwise_equal(seed):
     step, args = random_program(["residual", "reshape", "residual", "elementwise",
