@@ -107,16 +107,13 @@ def without_constant_decisions(graph: Any, plan: plan_lib.Plan, cost_model: Any
     if not dropped:
         return plan
     from jaxmem.planners._shared import estimate_time_s
-    from jaxmem.plans import placement as placement_lib
 
     kept = plan.replace(offload={t: p for t, p in plan.offload.items() if t not in constant},
                         remat={t: p for t, p in plan.remat.items() if t not in buffers})
     peak, status = _resimulated(graph, kept)
     time_s = plan.predicted_time_s
     if cost_model is not None and time_s is not None:
-        placed = [t for t, where in kept.placement.items() if where == "pinned_host"]
-        time_s = estimate_time_s(graph, kept.replace(placement={}, host_update=()), cost_model)
-        time_s += placement_lib.update_time_s(graph, cost_model, placed, kept.host_update)
+        time_s = estimate_time_s(graph, kept, cost_model)
     names = ", ".join(f"t{t}" for t in dropped[:8]) + (", ..." if len(dropped) > 8 else "")
     logger.info("%s: dropped the decisions on %d values computed from constants only (%s)",
                 plan.planner, len(dropped), names)
@@ -393,7 +390,8 @@ def _reduction_fused_alone(graph: Any, schedule: Any, version: int,
     return len(kernels) == 1 and not reuse
 
 
-def refused_reductions(graph: Any, plan: plan_lib.Plan) -> frozenset[int]:
+def refused_reductions(graph: Any, plan: plan_lib.Plan,
+                       plain: dict[Any, Any] | None = None) -> frozenset[int]:
     """Re-issued reductions some copy of which XLA:CPU computes otherwise than the plain step.
 
     A reduction is computed either as a kernel of its own or inside the loop of its one
@@ -405,6 +403,9 @@ def refused_reductions(graph: Any, plan: plan_lib.Plan) -> frozenset[int]:
     loop, and 71 of 512 elements of a kernel's gradient changed. Each copy the planned step
     reads is compared with the plain step's reduction. Reductions that XLA:CPU gives to its
     YNNPACK library (:data:`_YNN_MIN_ELEMENTS`) are kernels of their own either way.
+
+    ``plain``: a dict kept across calls on one graph, where the plain step's side (its
+    schedule, readers and each reduction's place) is worked out once.
     """
     if not plan.remat:
         return frozenset()
@@ -428,13 +429,20 @@ def refused_reductions(graph: Any, plan: plan_lib.Plan) -> frozenset[int]:
                   if view.primitives[producer(t)] in REDUCTIONS and small(t)]
     if not reductions:
         return frozenset()
-    constant = constant_tensors(graph)
+    plain = {} if plain is None else plain
+    if "schedule" not in plain:
+        schedule = plan_lib.build_schedule(view, plan_lib.unplanned(graph))
+        plain.update(schedule=schedule, readers=_live_readers(schedule),
+                     constant=constant_tensors(graph))
+    constant = plain["constant"]
     planned = plan_lib.build_schedule(view, plan)
-    plain = plan_lib.build_schedule(view, plan_lib.unplanned(graph))
-    readers, plain_readers = _live_readers(planned), _live_readers(plain)
+    readers = _live_readers(planned)
     out = set()
     for t in reductions:
-        alone = _reduction_fused_alone(graph, plain, t, plain_readers, constant)
+        if t not in plain:
+            plain[t] = _reduction_fused_alone(graph, plain["schedule"], t, plain["readers"],
+                                              constant)
+        alone = plain[t]
         versions = [t] + [w for ev in planned.events if ev.kind == "remat" for w in ev.writes
                           if w is not None and planned.tensor(w) == t]
         if any(_reduction_fused_alone(graph, planned, w, readers, constant) != alone
@@ -463,9 +471,9 @@ def without_refused_reductions(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan
     """``plan`` without re-issues of :func:`refused_reductions`, re-simulated (until none is
     left: a dropped re-issue gives its readers back to the other copies)."""
     dropped: set[int] = set()
-    kept = plan
+    kept, plain = plan, {}
     while True:
-        more = refused_reductions(graph, kept)
+        more = refused_reductions(graph, kept, plain)
         if not more:
             break
         dropped |= more
@@ -479,7 +487,8 @@ def without_refused_reductions(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan
 def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool = True
                ) -> plan_lib.Plan:
     """``plan`` under the rules of the module docstring that follow planning: no decision on
-    constants; under ``bitwise``, no re-issued masked sum, and the scaled operands added."""
+    constants; under ``bitwise``, no re-issued masked sum, the scaled operands added, and no
+    re-issued reduction XLA:CPU would compute elsewhere than the plain step."""
     plan = without_constant_decisions(graph, plan, cost_model)
     if not bitwise:
         return plan

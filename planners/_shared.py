@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping
 from jaxmem.analysis.graph import MemGraph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._registry import COMMON_OPTIONS
-from jaxmem.plans import plan as plan_lib
+from jaxmem.plans import placement as placement_lib, plan as plan_lib
 from jaxmem.plans.view import REDUCTIONS
 
 logger = logging.getLogger(__name__)
@@ -257,8 +257,15 @@ def estimate_time_s(graph: MemGraph, plan: plan_lib.Plan, cost_model: CostModel)
     are free: XLA recomputes fused values inside their readers anyway). A
     device-to-host copy starts when its tensor is made, a prefetch where the
     plan puts it (after its host copy is done); each direction of the link
-    copies one tensor at a time; an op waits for the prefetched values it reads.
+    copies one tensor at a time; an op waits for the prefetched values it reads. State
+    the plan places on pinned host adds its link and host-update time
+    (:func:`jaxmem.plans.placement.update_time_s`).
     """
+    placed = [t for t, where in plan.placement.items() if where == "pinned_host"]
+    if placed:
+        bare = plan.replace(placement={}, host_update=())
+        return (estimate_time_s(graph, bare, cost_model)
+                + placement_lib.update_time_s(graph, cost_model, placed, plan.host_update))
     sched = plan_lib.build_schedule(graph, plan)
     clock = 0.0
     link = {"d2h": 0.0, "h2d": 0.0}

@@ -223,14 +223,8 @@ def _options(options: Mapping[str, Any] | None) -> dict[str, Any]:
 def _score(graph: Any, name: str, plan: plan_lib.Plan, cost_model: Any) -> _Scored:
     """``plan`` with its simulated peak and estimated time, its state placement included
     (greedy's ``allow_state_offload`` plans place some; the others place none)."""
-    placed = [t for t, where in plan.placement.items() if where == "pinned_host"]
-    if not placed:
-        sim = plan_lib.simulate_plan(graph, plan)
-        return _Scored(name, plan, sim.peak_bytes, estimate_time_s(graph, plan, cost_model))
-    bare = plan.replace(placement={}, host_update=())
     return _Scored(name, plan, plan_lib.simulate_plan(graph, plan).peak_bytes,
-                   estimate_time_s(graph, bare, cost_model)
-                   + placement_lib.update_time_s(graph, cost_model, placed, plan.host_update))
+                   estimate_time_s(graph, plan, cost_model))
 
 
 def _placed(graph: Any, s: _Scored, budget_bytes: int, cost_model: Any,

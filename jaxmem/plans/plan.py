@@ -294,7 +294,6 @@ class Plan:
                              f"{sorted(fields)}, got {got}")
         _check_json_types(data)
         data["notes"] = tuple(data["notes"])
-        data["candidates"] = tuple(Candidate(**c) for c in data["candidates"])
         return cls(**data)
 
     # ### Reading
