@@ -471,7 +471,8 @@ def without_refused_reductions(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan
     """``plan`` without re-issues of :func:`refused_reductions`, re-simulated (until none is
     left: a dropped re-issue gives its readers back to the other copies)."""
     dropped: set[int] = set()
-    kept, plain = plan, {}
+    kept = plan
+    plain: dict[Any, Any] = {}  # the plain step's side, worked out once
     while True:
         more = refused_reductions(graph, kept, plain)
         if not more:
