@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Any, Callable, Sequence
 
 from bench import options as _options
@@ -17,16 +18,20 @@ def main(argv: Sequence[str] | None = None, *, builder: Callable[..., Any] | Non
       argv: command-line arguments (default: ``sys.argv[1:]``).
       builder: a stand-in for ``jaxmem.models.build`` (tests use a small fake step).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     opts = _options.parse(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from bench.environment import now, write_run
     from bench.output import frontier_plot, pareto_plot, table
     from bench.runner import run
 
+    started, clock = now(), time.monotonic()
     try:
         records = run(opts, builder=builder)
     except ValueError as err:
         print(f"python -m bench: error: {err}", file=sys.stderr)
         return 2
+    write_run(opts.out, argv, started, time.monotonic() - clock)
     print(table(records))
     print(f"results: {os.path.join(opts.out, 'results.jsonl')}")
     if opts.plot:

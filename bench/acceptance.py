@@ -1,4 +1,4 @@
-"""Issue 5's acceptance figures, read from bench records (no compiling).
+"""The planner judged against every rival, read from bench records (no compiling).
 
 ``python -m bench.acceptance [--planner cpsat] [--tie 0.01] RESULTS.jsonl ...``
 reads the records of one or more bench runs (``--budgets`` and ``--sweep``
@@ -25,6 +25,10 @@ not depend on the budget) and prints, per model:
 
 Every time here is the roofline estimate the records carry, not a
 measurement.
+
+``python -m bench.acceptance --peer-peaks RESULTS.jsonl`` prints instead the
+stock peers' compiled peaks below the unplanned one, as a ``--budgets`` list,
+so the planner can be run again at exactly the budgets the peers reach.
 """
 
 from __future__ import annotations
@@ -71,14 +75,14 @@ def verdicts(records: Sequence[Record], planner: str, tie: float = 0.01) -> list
 
     A later record of the planner at the same budget replaces an earlier one.
     """
-    peers = _peers(records)
+    stock = peers(records)
     points = {r["budget_bytes"]: r for r in records
               if r["kind"] == "planner" and r["planner"] == planner and r["budget_bytes"]}
     out = []
     for budget, mine in sorted(points.items(), reverse=True):
         others = [r for r in records if r["kind"] == "planner" and r["planner"] != planner
                   and r["budget_bytes"] == budget]
-        rivals = [r for r in (*peers, *others) if fits(r, budget)]
+        rivals = [r for r in (*stock, *others) if fits(r, budget)]
         best = min(rivals, key=lambda r: r["est_step_time_s"], default=None)
         if mine["status"] == "ok" and fits(mine, budget):
             won = best is None or mine["est_step_time_s"] <= (1 + tie) * best["est_step_time_s"]
@@ -186,7 +190,7 @@ def _reduction_lines(records: Sequence[Record], planner: str, reference: Record,
            f"{_mib(reference['compiled_peak_bytes'] - fixed_bytes)} MiB."]
     for who, rows in ((f"`{planner}`", [r for r in records if r["planner"] == planner
                                         and r["kind"] == "planner"]),
-                      ("best peer", _peers(records))):
+                      ("best peer", peers(records))):
         for limit, found in reductions(rows, fixed_bytes, reference).items():
             if found is None:
                 out.append(f"Reduction, {who}, overhead <= {100 * limit:g}%: no point.")
@@ -200,13 +204,24 @@ def _reduction_lines(records: Sequence[Record], planner: str, reference: Record,
     return out
 
 
-def _peers(records: Sequence[Record]) -> list[Record]:
+def peers(records: Sequence[Record]) -> list[Record]:
     """One record per peer (the first), ``none`` included: peers ignore the budget."""
     seen: dict[str, Record] = {}
     for r in records:
         if r["kind"] == "peer":
             seen.setdefault(r["planner"], r)
     return list(seen.values())
+
+
+def peer_peaks(records: Sequence[Record]) -> list[int]:
+    """The peers' distinct compiled peaks below the unplanned step's, largest first."""
+    stock = peers(records)
+    none = next((r["compiled_peak_bytes"] for r in stock if r["planner"] == "none"), None)
+    if none is None:
+        raise ValueError("no compiled unplanned ('none') record to compare the peers with")
+    return sorted({r["compiled_peak_bytes"] for r in stock if r["planner"] != "none"
+                   and r["status"] in ("ok", "over_budget") and r["compiled_peak_bytes"]
+                   and r["compiled_peak_bytes"] < none}, reverse=True)
 
 
 def _gap(r: Record) -> str:
@@ -249,8 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--planner", default="cpsat", help="the planner judged (default cpsat)")
     p.add_argument("--tie", type=float, default=0.01,
                    help="relative step-time margin counted as a tie (default 0.01)")
+    p.add_argument("--peer-peaks", action="store_true",
+                   help="print the peers' compiled peaks below the unplanned one, comma separated")
     args = p.parse_args(argv)
     records = [json.loads(line) for path in args.results for line in open(path) if line.strip()]
+    if args.peer_peaks:
+        print(",".join(str(b) for b in peer_peaks(records)))
+        return 0
     print(report(records, args.planner, args.tie))
     return 0
 

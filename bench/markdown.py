@@ -42,6 +42,25 @@ def table(lines: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def peers_table(lines: list[dict]) -> str:
+    """One row per (model, stock policy): compiled and predicted memory, time and FLOPs
+    against the unplanned step (a peer's figures do not depend on the budget)."""
+    rows = ["| model | policy | device MiB | host MiB | predicted MiB | pred. err | est. ms "
+            "| time/none | flops/none |", "|" + "---|" * 9]
+    for r in lines:
+        err = r.get("prediction_error")
+        if r["status"].startswith("error"):
+            rows.append(f"| {r['model']} | {r['planner']} | {r['status'][:60]} |" + " |" * 6)
+            continue
+        rows.append(
+            f"| {r['model']} | {r['planner']} | {_mib(r['compiled_peak_bytes'])} "
+            f"| {_mib(r['host_bytes'])} | {_mib(r['predicted_peak_bytes'])} "
+            f"| {'–' if err is None else f'{100 * err:.1f}%'} "
+            f"| {_num(r['est_step_time_s'] and 1e3 * r['est_step_time_s'], '.2f')} "
+            f"| {_num(r['est_time_ratio'], '.3f')} | {_num(r['flops_ratio'], '.3f')} |")
+    return "\n".join(rows)
+
+
 def _cell(r: dict) -> str:
     if r["status"] != "ok":
         return r["status"].split(":")[0]

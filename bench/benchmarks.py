@@ -1,0 +1,252 @@
+"""BENCHMARKS.md, generated from the records committed under ``bench/records/``.
+
+``python -m bench.benchmarks`` writes BENCHMARKS.md from the records (no
+compiling, seconds). ``python -m bench.benchmarks --run main,sweeps`` first
+runs those sections' commands again (each into ``bench/records/SECTION/``,
+replacing what was there; the sweeps take about an hour on two cores), then
+writes the page. ``--check`` writes nothing and exits 1 when the page on disk
+is not what the records give.
+
+Each section is a script of ordinary commands (``python -m bench ...``),
+printed above its tables, and a renderer that reads what the script wrote.
+``bench/records/SECTION/run.json`` keeps when the script ran, for how long,
+on which machine and with which versions; the page prints it beside the
+tables, so no figure stands apart from the command and versions that made it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+from bench import acceptance, markdown
+from bench.environment import commit, machine, now, versions
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORDS = os.path.join("bench", "records")
+PAGE = "BENCHMARKS.md"
+
+Record = dict[str, Any]
+
+PEERS = ("none,full,dots,dots_no_batch,offload_dots_no_batch,minimal,save_qkv_proj,"
+         "save_dot_except_mlpwi,qkv_proj_offloaded,minimal_offloaded")
+LITERATURE = ("greedy,sublinear,chen,vdnn_all,vdnn_conv,vdnn_dynamic,qlearn,order_ilp,order_bfs,"
+              "order_dfs")
+SWEPT = ("mlp", "vgg16", "resnet50", "unet", "gpt2", "llama")
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """One section of the page.
+
+    Attributes:
+      key: its folder under ``bench/records/``.
+      title: its heading.
+      about: what the section shows, in Markdown, printed under the heading.
+      script: the bash commands that make its records, run from the repository
+        root with ``$OUT`` set to the section's folder.
+      render: Markdown of the records in that folder.
+    """
+
+    key: str
+    title: str
+    about: str
+    script: str
+    render: Callable[[str], str]
+
+
+def _records(folder: str) -> list[Record]:
+    """Every record of every ``results.jsonl`` under ``folder``, in path order."""
+    found = []
+    for base, dirs, files in sorted(os.walk(folder)):
+        dirs.sort()
+        if "results.jsonl" in files:
+            with open(os.path.join(base, "results.jsonl"), encoding="utf-8") as source:
+                found += [json.loads(line) for line in source if line.strip()]
+    return found
+
+
+def _render_main(folder: str) -> str:
+    records = _records(folder)
+    return "\n\n".join([
+        markdown.by_budget(records),
+        "Every run, one row each:",
+        markdown.table(records),
+        f"![compiled peak against estimated step time]({folder}/pareto.png)"])
+
+
+def _render_sweeps(folder: str) -> str:
+    by_model = {m: _records(os.path.join(folder, m)) for m in SWEPT}
+    records = [r for m in SWEPT for r in by_model[m]]
+    peers = [r for m in SWEPT for r in acceptance.peers(by_model[m])]
+    plots = [f"![{m}]({folder}/{m}/sweep/frontier.png)" for m in SWEPT
+             if os.path.exists(os.path.join(folder, m, "sweep", "frontier.png"))]
+    return "\n\n".join([
+        "### Every model as written and under every stock policy",
+        "One compile per (model, policy), from the sweeps' records.",
+        markdown.peers_table(peers),
+        "### `cpsat` against every rival that fits, budget by budget",
+        acceptance.report(records),
+        "### Frontiers",
+        "Compiled peak against estimated step time: `cpsat` a line through its sweep points, "
+        "each stock policy a marker.",
+        "\n".join(plots)])
+
+
+def _render_text(folder: str) -> str:
+    with open(os.path.join(folder, "output.txt"), encoding="utf-8") as source:
+        return "```\n" + source.read().rstrip() + "\n```"
+
+
+SECTIONS = (
+    Section(
+        "main", "The default model: every stock policy and every planner",
+        "The README's main job: the residual `mlp` at bench size, the gradient-only step, "
+        "compiled for H100, every stock policy once and every planner (jaxmem's and the "
+        "literature's) at 70%, 50% and 30% of the unplanned step's compiled peak. A cell is "
+        "*device MiB / estimated ms* of a plan that fits, or its status; the fastest plan "
+        "that fits each budget is bold.",
+        "python -m bench --models mlp --size bench --step grad --planners all "
+        "--budgets 0.7,0.5,0.3 --out $OUT",
+        _render_main),
+    Section(
+        "sweeps", "Every zoo model: `cpsat` swept against every stock policy",
+        "The train step (AdamW, state donated) of every zoo model at bench size, compiled for "
+        "H100. Every stock policy compiles once; `cpsat` plans under the default 60 s limit at "
+        "budgets from the unplanned step's compiled peak down by 0.8 until it cannot fit, then "
+        "again at each stock policy's exact compiled peak below the unplanned one. A point is "
+        "won when `cpsat`'s plan fits the budget and its estimated time is within 1% of the "
+        "fastest rival that fits. `llama` (bf16) is planned with `--not-bitwise`: a bitwise "
+        "plan of a 16-bit step cannot recompute its softmax and norms (docs/exactness.md).",
+        "\n".join([
+            f"PEERS={PEERS}",
+            f"for m in {' '.join(SWEPT)}; do",
+            "  nb=$([ $m = llama ] && echo --not-bitwise || true)",
+            "  python -m bench --models $m --size bench --step train --planners $PEERS,cpsat \\",
+            "      --sweep --time-limit-s 60 --out $OUT/$m/sweep $nb",
+            "  python -m bench --models $m --size bench --step train --planners cpsat \\",
+            "      --budgets \"$(python -m bench.acceptance --peer-peaks \\",
+            "                     $OUT/$m/sweep/results.jsonl)\" \\",
+            "      --time-limit-s 60 --out $OUT/$m/peaks --no-plot $nb",
+            "done"]),
+        _render_sweeps),
+    Section(
+        "exactness", "Exactness of every planner's emitted step",
+        "Each zoo model's tiny AdamW train step, planned for the `cpu` target at 50% of its "
+        "simulated peak by every planner, run emitted and plain on the CPU: `exact` means the "
+        "loss, the updated parameters and the optimizer state are bitwise equal. The plan's "
+        "shape: `r` re-issued tensors, `o` offloaded, `m` moved ops. No planner reaches 50% "
+        "of these tiny steps (their parameters and optimizer state are most of the memory), "
+        "so each runs its best plan, reported `over_budget`.",
+        "python -m bench.exactness mlp,vgg16,resnet50,unet,gpt2,llama "
+        f"{LITERATURE},cpsat > $OUT/output.txt",
+        _render_text),
+)
+
+_HEADER = """\
+# jaxmem benchmarks
+
+Generated by `python -m bench.benchmarks` from the records in `bench/records/`; each section
+prints the commands that made its records, when they ran, on what machine and with which
+versions (`python -m bench.benchmarks --run SECTION` runs them again). Memory figures are XLA's
+compiled buffer assignment for the target (compile-only for H100/H200 on a machine without a
+GPU: docs/targets.md): *device MiB* = temp + arguments + outputs − aliased bytes, *host MiB* the
+pinned-host counterpart; *predicted MiB* is jaxmem's simulator before compiling and *pred. err*
+its distance from the compiled figure (docs/measurement.md). **Step times are roofline
+estimates** for the target computed from the compiled HLO (*est. ms*, *time/none*), unless a
+section says they were measured on a GPU. Budgets given as fractions are fractions of the
+unplanned step's compiled peak.
+"""
+
+
+def _provenance(folder: str) -> str:
+    path = os.path.join(folder, "run.json")
+    if not os.path.exists(path):
+        return "*No records: run `python -m bench.benchmarks --run` for this section.*"
+    with open(path, encoding="utf-8") as source:
+        run = json.load(source)
+    ver = run["versions"]
+    where = run["machine"]
+    gpu = [d for d in where["devices"] if d.lower() != "cpu"]
+    return (f"Ran {run['started'][:10]} ({run['wall_s'] / 60:.0f} min; commit {run['commit']}) "
+            f"on {where['cpus']} CPU "
+            f"cores, {'GPU: ' + ', '.join(gpu) if gpu else 'no GPU'}; "
+            + ", ".join(f"{k} {v}" for k, v in ver.items()) + ".")
+
+
+def page(root: str = ROOT) -> str:
+    """BENCHMARKS.md as the committed records give it."""
+    parts = [_HEADER]
+    for number, section in enumerate(SECTIONS, 1):
+        folder = os.path.join(RECORDS, section.key)
+        parts += [f"## {number}. {section.title}", section.about,
+                  "```bash\nOUT=" + folder + "\n" + section.script + "\n```",
+                  _provenance(os.path.join(root, folder))]
+        if os.path.exists(os.path.join(root, folder, "run.json")):
+            here = os.getcwd()
+            os.chdir(root)
+            try:
+                parts.append(section.render(folder))
+            finally:
+                os.chdir(here)
+    return "\n\n".join(p.rstrip() for p in parts) + "\n"
+
+
+def run(section: Section, root: str = ROOT) -> None:
+    """Run one section's script into a fresh ``bench/records/KEY`` and write its run.json."""
+    folder = os.path.join(RECORDS, section.key)
+    shutil.rmtree(os.path.join(root, folder), ignore_errors=True)
+    os.makedirs(os.path.join(root, folder))
+    started, clock = now(), time.monotonic()
+    # `python` in the scripts is this interpreter (the project's venv).
+    env = dict(os.environ, OUT=folder, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    subprocess.run(["bash", "-euo", "pipefail", "-c", section.script], cwd=root, env=env,
+                   check=True)
+    info = {"script": section.script, "started": started,
+            "wall_s": round(time.monotonic() - clock, 1), "commit": commit(root),
+            "versions": versions(),
+            "machine": machine()}
+    with open(os.path.join(root, folder, "run.json"), "w", encoding="utf-8") as sink:
+        json.dump(info, sink, indent=1)
+        sink.write("\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.benchmarks",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", metavar="SECTIONS",
+                   help="comma list of sections to run again first ("
+                        + ", ".join(s.key for s in SECTIONS) + "), or 'all'")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 if BENCHMARKS.md differs from what the records give")
+    args = p.parse_args(argv)
+    by_key = {s.key: s for s in SECTIONS}
+    wanted = [] if not args.run else (list(by_key) if args.run == "all" else args.run.split(","))
+    unknown = [k for k in wanted if k not in by_key]
+    if unknown:
+        p.error(f"unknown section(s) {', '.join(unknown)}; the sections are {', '.join(by_key)}")
+    for key in wanted:
+        run(by_key[key])
+    text = page()
+    path = os.path.join(ROOT, PAGE)
+    if args.check:
+        with open(path, encoding="utf-8") as source:
+            same = source.read() == text
+        print(f"{PAGE} is {'' if same else 'not '}what bench/records give")
+        return 0 if same else 1
+    with open(path, "w", encoding="utf-8") as sink:
+        sink.write(text)
+    print(f"wrote {PAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
