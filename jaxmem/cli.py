@@ -234,7 +234,8 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps({"step": step.name, "rows": rows}, indent=2))
         return EXIT_OK
-    print(f"{step.name}, budget {ns.budget or 'default'} on {ns.target}")
+    target = configs[0].resolve_target(step.args).name
+    print(f"{step.name}, budget {ns.budget or 'default'} on {target}")
     header = (f"{'planner':<16} {'status':<14} {'predicted MiB':>14} {'compiled MiB':>13} "
               f"{'est ms':>9}")
     print(header)
@@ -282,7 +283,10 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--step", dest="kind", default="train", choices=("train", "grad"))
         q.add_argument("--budget", default=None,
                        help="bytes, a size ('60GiB') or a fraction of the target's memory (0.5)")
-        q.add_argument("--target", default="h100", choices=("h100", "h200", "cpu", "auto"))
+        q.add_argument("--target", default="auto", choices=("auto", "h100", "h200", "cpu"),
+                       help="what to plan and compile for: auto (the default: the device the "
+                            "step's arguments live on, the CPU on a machine without a GPU), "
+                            "or a GPU by name, compile-only where there is none")
         q.add_argument("--time-limit", type=float, default=60.0,
                        help="planner seconds for the whole verify loop: half in the first "
                             "round, the rest shared by its re-plans (default 60)")

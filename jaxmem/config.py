@@ -111,8 +111,9 @@ class Config:
         target's memory, or a whole float above 1 for bytes (``1024.0``);
         ``None``: the target's default budget (75% of its memory, what JAX lets
         XLA use). A fraction that comes to 0 bytes is an error.
-      target: ``"h100"``, ``"h200"``, ``"cpu"`` or ``"auto"`` (the device the
-        arguments live on).
+      target: ``"h100"``, ``"h200"``, ``"cpu"`` or ``"auto"`` (the default, as
+        everywhere in jaxmem: the device the arguments live on, the CPU on a
+        machine without a GPU; :func:`jaxmem.targets.resolve`).
       planner: a planner's registry name (``jaxmem.planners.planners()``).
       host_budget: pinned host memory offloads may use (same forms as budget,
         no fraction); default 64 GiB.
@@ -244,8 +245,7 @@ class Config:
     def resolve_target(self, args: Any = ()) -> _targets.Target:
         """The target: the named one, or for ``"auto"`` the device the arguments live on,
         with the compiler options of this config's exactness (``Target.for_bitwise``)."""
-        target = _targets.get(self.target) if self.target != "auto" else target_of(args)
-        return target.for_bitwise(self.exact)
+        return _targets.resolve(self.target, args).for_bitwise(self.exact)
 
     def budget_bytes(self, target: "str | _targets.Target") -> int:
         """The device budget in bytes on ``target``."""
@@ -339,27 +339,3 @@ def _check_planner(name: str) -> None:
                          f"per block with jax.checkpoint; it cannot plan a traced step. "
                          f"Planners: {', '.join(planners.planners())}")
 
-
-def target_of(args: Any) -> _targets.Target:
-    """The target of the first array argument's device (``"auto"``); the CPU without one.
-
-    Raises:
-      ValueError: the arguments live on a GPU jaxmem has no target for.
-    """
-    import jax
-
-    device = None
-    for leaf in jax.tree_util.tree_leaves(args):
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is not None and getattr(sharding, "device_set", None):
-            device = next(iter(sharding.device_set))
-            break
-    if device is None or device.platform == "cpu":
-        return _targets.get("cpu")
-    kind = str(getattr(device, "device_kind", "")).upper()
-    for name in ("h200", "h100"):
-        if name.upper() in kind:
-            return _targets.get(name)
-    raise ValueError(f"target='auto' found the arguments on {device.device_kind!r} "
-                     f"({device.platform}), which jaxmem has no target for; known targets: "
-                     f"{', '.join(_targets.names())}. Pass Config(target=...) explicitly.")

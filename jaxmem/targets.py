@@ -11,6 +11,12 @@ recomputations survive XLA:CPU's common-subexpression elimination, so remat
 savings show up in its memory figures as on a GPU, only for steps that need not
 be bitwise (:data:`CPU_KEEP_REMAT`).
 
+Every entry point that takes a target (``Config``, :func:`jaxmem.measure`,
+:func:`jaxmem.explain`, :func:`jaxmem.predict_peak_bytes`, ``python -m jaxmem``)
+defaults to :data:`DEFAULT_TARGET`, ``"auto"``: the device the step's arguments
+live on, as ``jax.jit`` compiles for it (the CPU on a machine without a GPU). Name
+``"h100"`` or ``"h200"`` to plan and measure for a GPU this machine does not have.
+
 >>> import jaxmem
 >>> t = jaxmem.targets.get("h100")
 >>> t.default_budget_bytes == int(0.75 * t.memory_bytes)
@@ -28,6 +34,9 @@ import jax
 import numpy as np
 
 TargetName = Literal["h100", "h200", "cpu"]
+
+# The default of every ``target=`` argument: the device the arguments live on.
+DEFAULT_TARGET = "auto"
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -295,6 +304,38 @@ def get(target: "str | Target") -> Target:
     except KeyError:
         raise ValueError(
             f"unknown target {target!r}; known targets: {', '.join(_TARGETS)}") from None
+
+
+def resolve(target: "str | Target", args: Any = ()) -> Target:
+    """:func:`get`, with ``"auto"`` resolved to the target of ``args``' device
+    (:func:`of_arguments`)."""
+    if isinstance(target, str) and target.lower() == "auto":
+        return of_arguments(args)
+    return get(target)
+
+
+def of_arguments(args: Any) -> Target:
+    """The target of the first array argument's device; the CPU when no argument is on a
+    device (only ``jax.ShapeDtypeStruct``, Python scalars) or the device is a CPU.
+
+    Raises:
+      ValueError: the arguments live on a GPU jaxmem has no target for.
+    """
+    device = None
+    for leaf in jax.tree_util.tree_leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and getattr(sharding, "device_set", None):
+            device = next(iter(sharding.device_set))
+            break
+    if device is None or device.platform == "cpu":
+        return get("cpu")
+    kind = str(getattr(device, "device_kind", "")).upper()
+    for name in ("h200", "h100"):
+        if name.upper() in kind:
+            return get(name)
+    raise ValueError(f"target='auto' found the arguments on {device.device_kind!r} "
+                     f"({device.platform}), which jaxmem has no target for; known targets: "
+                     f"{', '.join(names())}. Pass the target explicitly (target='h100').")
 
 
 def place(tree: Any, target: "str | Target" = "h100") -> Any:

@@ -188,3 +188,21 @@ def test_a_budget_sweep_takes_an_nnx_jit_step():
     (point,) = jaxmem.pareto(nnx.jit(grads), model, jnp.ones((8, 16)), budgets=[1.0],
                              config=CPU)
     assert point.status == "ok" and point.compiled_bytes == point.unplanned_bytes
+
+
+### One default target
+
+
+def test_every_entry_point_defaults_to_the_arguments_device():
+    """Config, measure, explain and predict_peak_bytes share one default target, "auto": the
+    device the arguments live on (the CPU here), as jax.jit compiles for it."""
+    defaults = {f.__name__: inspect.signature(f).parameters["target"].default
+                for f in (jaxmem.measure, jaxmem.explain, jaxmem.predict_peak_bytes)}
+    defaults["Config"] = jaxmem.Config().target
+    assert set(defaults.values()) == {jaxmem.targets.DEFAULT_TARGET} == {"auto"}, defaults
+    x = jnp.ones((64, 64))
+    assert jaxmem.measure(lambda a: a @ a, x).target == "cpu"
+    assert jaxmem.explain(lambda a: a @ a, x).target == "cpu"
+    assert jaxmem.predict_peak_bytes(lambda a: a @ a, x) == \
+        jaxmem.predict_peak_bytes(lambda a: a @ a, x, target="cpu")
+    assert jaxmem.Config().resolve_target((x,)).name == "cpu"

@@ -25,14 +25,21 @@ def _no_level(monkeypatch):
 def test_plan_prints_the_summary(capsys):
     assert main(["plan", "mlp", "--budget", "1MiB"]) == 0
     out = capsys.readouterr().out
-    assert "mlp (tiny, train) on h100" in out and "Plan by cpsat: status ok" in out  # the default
+    assert "mlp (tiny, train) on cpu" in out and "Plan by cpsat: status ok" in out  # auto: no GPU here
 
 
 def test_plan_json_parses(capsys):
-    assert main(["plan", "mlp", "--step", "grad", "--budget", "0.5", "--json"]) == 0
+    assert main(["plan", "mlp", "--step", "grad", "--budget", "0.5", "--json",
+                 "--target", "h100"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["target"] == "h100" and record["plan"]["status"] == "ok"
     assert record["compiled_bytes"] <= record["budget_bytes"]
+
+
+def test_the_default_target_is_where_the_arguments_live(capsys):
+    """One default target everywhere: "auto", the device of the arguments (no GPU here)."""
+    assert main(["plan", "mlp", "--step", "grad", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["target"] == "cpu"
 
 
 def test_infeasible_budget_exits_3(capsys):
@@ -135,7 +142,7 @@ def make():
     return jax.grad(loss), (ws, jax.ShapeDtypeStruct((512, 128), jnp.float32))
 """
 CPSAT = ["plan", "cpsat_progress_step:make", "--planner", "cpsat", "--budget", "1.9MiB",
-         "--time-limit", "120", "--on-over-budget", "warn"]
+         "--time-limit", "120", "--on-over-budget", "warn", "--target", "h100"]
 
 
 def test_cpsat_progress_on_stderr_unless_quiet(tmp_path, monkeypatch, capsys):

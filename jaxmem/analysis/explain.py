@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from jaxmem.analysis.graph import MemGraph, analyse
 from jaxmem.analysis.simulate import SimResult, simulate
+from jaxmem.targets import DEFAULT_TARGET, resolve
 from jaxmem.tracing.trace import trace
 
 MiB = 1 << 20
@@ -131,7 +132,7 @@ def explain_graph(graph: MemGraph, result: SimResult | None = None, top: int = 1
         target=graph.target)
 
 
-def explain(step: Callable[..., Any], *args: Any, target: str = "h100", top: int = 10,
+def explain(step: Callable[..., Any], *args: Any, target: str = DEFAULT_TARGET, top: int = 10,
             donate_argnums: Sequence[int] | int = (), static_argnums: Sequence[int] | int = (),
             arg_roles: Sequence[Any] | None = None, **kwargs: Any) -> Explanation:
     """Trace ``step(*args, **kwargs)``, simulate it in the jaxpr order, and explain its peak.
@@ -139,7 +140,8 @@ def explain(step: Callable[..., Any], *args: Any, target: str = "h100", top: int
     Args:
       step: the train step.
       *args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
-      target: the target name (sizes are per device of it).
+      target: the target name (sizes are per device of it); ``"auto"`` (the default):
+        the device the arguments live on (:func:`jaxmem.targets.resolve`).
       top: how many tensors to list.
       donate_argnums, static_argnums, arg_roles: as for :func:`jaxmem.tracing.trace.trace`.
       **kwargs: keyword arguments of the step.
@@ -149,4 +151,4 @@ def explain(step: Callable[..., Any], *args: Any, target: str = "h100", top: int
     """
     program = trace(step, *args, static_argnums=static_argnums, donate_argnums=donate_argnums,
                     arg_roles=arg_roles, **kwargs)
-    return explain_graph(analyse(program, target), top=top)
+    return explain_graph(analyse(program, resolve(target, args).name), top=top)

@@ -398,7 +398,7 @@ def _release(free_off: list[int], free_size: dict[int, int], off: int, size: int
 ### For the bench
 
 
-def predict_peak_bytes(step_fn: Callable[..., Any], *args: Any, target: Any = "h100",
+def predict_peak_bytes(step_fn: Callable[..., Any], *args: Any, target: Any = "auto",
                        donate_argnums: Sequence[int] | int = (),
                        static_argnums: Sequence[int] | int = (),
                        arg_roles: Sequence[Any] | None = None,
@@ -413,7 +413,8 @@ def predict_peak_bytes(step_fn: Callable[..., Any], *args: Any, target: Any = "h
     Args:
       step_fn: the train step.
       *args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
-      target: a target name or :class:`jaxmem.targets.Target`.
+      target: a target name or :class:`jaxmem.targets.Target`; ``"auto"`` (the default):
+        the device the arguments live on (:func:`jaxmem.targets.resolve`).
       donate_argnums, static_argnums, arg_roles: as for :func:`jaxmem.tracing.trace.trace`.
       estimate: ``"liveness"`` (sum of live buffers) or ``"allocator"`` (best-fit heap).
       **kwargs: keyword arguments of the step.
@@ -423,14 +424,14 @@ def predict_peak_bytes(step_fn: Callable[..., Any], *args: Any, target: Any = "h
     524288
     """
     from jaxmem.analysis.graph import analyse
-    from jaxmem.targets import get
+    from jaxmem.targets import resolve
     from jaxmem.tracing.trace import trace
 
     if estimate not in ("liveness", "allocator"):
         raise ValueError(f"estimate={estimate!r}; allowed: 'liveness', 'allocator'.")
     program = trace(step_fn, *args, static_argnums=static_argnums,
                     donate_argnums=donate_argnums, arg_roles=arg_roles, **kwargs)
-    result = simulate(analyse(program, get(target).name))
+    result = simulate(analyse(program, resolve(target, args).name))
     return result.peak_bytes if estimate == "liveness" else result.allocator_peak_bytes
 
 

@@ -131,7 +131,8 @@ class Report:
         return "\n".join(lines)
 
 
-def measure(step: Callable[..., Any], *args: Any, target: "str | _targets.Target" = "h100",
+def measure(step: Callable[..., Any], *args: Any,
+            target: "str | _targets.Target" = _targets.DEFAULT_TARGET,
             static_argnums: int | Sequence[int] = (),
             donate_argnums: int | Sequence[int] = ()) -> Report:
     """Compile ``step`` for ``target`` and report what it costs.
@@ -143,7 +144,9 @@ def measure(step: Callable[..., Any], *args: Any, target: "str | _targets.Target
         step), which keeps its own options.
       *args: example arguments: arrays or ``jax.ShapeDtypeStruct`` pytrees
         (placed on the target's device), static values where static.
-      target: ``"h100"``, ``"h200"``, ``"cpu"`` or a :class:`jaxmem.targets.Target`.
+      target: ``"h100"``, ``"h200"``, ``"cpu"``, a :class:`jaxmem.targets.Target`, or
+        ``"auto"`` (the default): the device the arguments live on, the CPU for
+        ``jax.ShapeDtypeStruct`` arguments (:func:`jaxmem.targets.resolve`).
       static_argnums: for a plain function, arguments passed as static.
       donate_argnums: for a plain function, arguments whose buffers the step
         may reuse for its outputs (they show up as ``alias_bytes``).
@@ -155,7 +158,7 @@ def measure(step: Callable[..., Any], *args: Any, target: "str | _targets.Target
       ValueError: options given for a step that lowers itself, or no array
         argument to place on the target.
     """
-    t = _targets.get(target)
+    t = _targets.resolve(target, args)
     static = _indices(static_argnums)
     donate = _indices(donate_argnums)
     if hasattr(step, "lower"):
@@ -190,7 +193,7 @@ def compiled_bytes(stats: Any) -> tuple[int, int]:
     return int(device), int(host)
 
 
-def report(compiled: jax.stages.Compiled, target: "str | _targets.Target" = "h100", *,
+def report(compiled: jax.stages.Compiled, target: "str | _targets.Target", *,
            compile_time_s: float = 0.0) -> Report:
     """The :class:`Report` of a step already compiled for ``target``.
 
