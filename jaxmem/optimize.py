@@ -37,7 +37,7 @@ import functools
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, overload
 
 import jax
 
@@ -121,10 +121,24 @@ class _Entry:
 ### The decorator
 
 
+@overload
+def optimize(fun: Callable[..., Any], *, config: Config | None = None,
+             static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
+             donate_argnums: int | Sequence[int] = (), donate_argnames: str | Sequence[str] = ()
+             ) -> Optimized: ...
+
+
+@overload
+def optimize(fun: None = None, *, config: Config | None = None,
+             static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
+             donate_argnums: int | Sequence[int] = (), donate_argnames: str | Sequence[str] = ()
+             ) -> Callable[[Callable[..., Any]], Optimized]: ...
+
+
 def optimize(fun: Callable[..., Any] | None = None, *, config: Config | None = None,
              static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
              donate_argnums: int | Sequence[int] = (), donate_argnames: str | Sequence[str] = ()
-             ) -> Any:
+             ) -> "Optimized | Callable[[Callable[..., Any]], Optimized]":
     """Make a train step fit its memory budget (a drop-in for ``jax.jit``).
 
     Usable bare (``@jaxmem.optimize``) or with arguments
@@ -147,7 +161,8 @@ def optimize(fun: Callable[..., Any] | None = None, *, config: Config | None = N
     error raised while tracing names the step, its file:line and arguments.
 
     Returns:
-      An :class:`Optimized` step: call it like the function; ``.plan(*args)``
+      An :class:`Optimized` step (without ``fun``: a decorator that makes one): call it like
+      the function; ``.plan(*args)``
       (its ``.write_report(dir)`` draws the memory report), ``.verified(*args)``,
       ``.lower(*args)``, ``.measure(*args)``, ``.cache_info()``, ``__wrapped__``.
     """
