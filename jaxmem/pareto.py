@@ -7,7 +7,10 @@ more planners -- each budget through the verify loop of
 both memory and time. Step times are roofline estimates for the target
 (:mod:`jaxmem.cost.costmodel`), never measurements.
 
-Without ``budgets`` the sweep starts at the unplanned step's compiled device
+Budgets come in two kinds, named apart: ``budgets`` as :class:`~jaxmem.Config`
+reads a budget (bytes, a size string, or a float in (0, 1] for a fraction of the
+target's memory), and ``fractions`` of the unplanned step's compiled device
+bytes (0.5: half of what the step needs as written). Without either the sweep starts at the unplanned step's compiled device
 bytes and lowers the budget geometrically (``factor``, default 0.8) until the
 planner cannot fit one, or the budget drops below ``min_fraction`` of the
 unplanned bytes; then it tries once more at the smallest budget the failure
@@ -17,7 +20,7 @@ reports), when that lies between the failed budget and the last fitted one.
 >>> import jax, jax.numpy as jnp, jaxmem
 >>> def step(w, x):
 ...     return jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w) ** 2))(w)
->>> points = jaxmem.pareto(step, jnp.ones((32, 32)), jnp.ones((64, 32)), budgets=[1.0],
+>>> points = jaxmem.pareto(step, jnp.ones((32, 32)), jnp.ones((64, 32)), fractions=[1.0],
 ...                        config=jaxmem.Config(target="cpu"))
 >>> [(p.planner, p.status) for p in points]
 [('cpsat', 'ok')]
@@ -35,7 +38,7 @@ import jax
 
 from jaxmem import targets as targets_lib
 from jaxmem._arguments import abstract_args
-from jaxmem.config import Config, parse_bytes
+from jaxmem.config import Config
 from jaxmem.cost.measure import Report, report
 from jaxmem.cost.profile import planning_cost_model
 from jaxmem.errors import InfeasibleBudgetError, UnsupportedConstructError
@@ -53,9 +56,10 @@ DEFAULT_FACTOR = 0.8
 DEFAULT_MIN_FRACTION = 0.05
 
 
-_BAD_BUDGET = (
-    "pareto(budgets=...) got {value!r}: give ints of bytes, size strings ('512MiB'), or floats "
-    "(or '50%' strings) for a fraction of the unplanned step's compiled device bytes")
+_BAD_FRACTION = (
+    "pareto(fractions=...) got {value!r}: give positive floats, fractions of the unplanned "
+    "step's compiled device bytes (0.5 for half); budgets in bytes, sizes ('512MiB') or "
+    "fractions of the target's memory go in budgets=")
 
 _BAD_FACTOR = ("pareto(factor={value!r}): the sweep lowers the budget by this factor each step, so "
                "it must lie strictly between 0 and 1 (e.g. 0.8)")
@@ -122,7 +126,7 @@ class Point:
 
 
 def pareto(step: Callable[..., Any], *args: Any, budgets: Sequence[BudgetSpec] | None = None,
-           config: Config | None = None, planners: Sequence[str] | None = None,
+           fractions: Sequence[float] | None = None, config: Config | None = None, planners: Sequence[str] | None = None,
            factor: float = DEFAULT_FACTOR, min_fraction: float = DEFAULT_MIN_FRACTION,
            unplanned_bytes: int | None = None, on_error: OnError = "raise",
            **kwargs: Any) -> list[Point]:
@@ -132,9 +136,12 @@ def pareto(step: Callable[..., Any], *args: Any, budgets: Sequence[BudgetSpec] |
       step: a train step, or a ``@jaxmem.optimize`` step (its config, static
         and donated arguments are used).
       *args: the step's arguments (arrays or ``jax.ShapeDtypeStruct``s).
-      budgets: device budgets: ints of bytes, size strings (``"512MiB"``), or
-        floats / ``"50%"`` strings as fractions of the unplanned step's
-        compiled device bytes. ``None``: the sweep of the module docstring.
+      budgets: device budgets as ``Config(budget=...)`` reads them: ints of
+        bytes, size strings (``"512MiB"``), floats in (0, 1] as fractions of
+        the target's memory.
+      fractions: device budgets as fractions of the unplanned step's compiled
+        device bytes (positive floats); their points follow ``budgets``'.
+        Neither: the sweep of the module docstring.
       config: target, options and default planner (default: the step's, or
         ``Config()``); its budget is ignored.
       planners: planner names (default: ``config.planner``).
@@ -165,20 +172,22 @@ def pareto(step: Callable[..., Any], *args: Any, budgets: Sequence[BudgetSpec] |
         raise ValueError(_BAD_MIN.format(value=min_fraction))
     if on_error not in ("raise", "record"):
         raise ValueError(f"pareto(on_error={on_error!r}): allowed values are 'raise', 'record'")
-    if isinstance(budgets, (int, float, str)):
-        raise ValueError(f"pareto(budgets={budgets!r}) takes a sequence of budgets; write "
-                         f"budgets=[{budgets!r}]")
+    for name, given in (("budgets", budgets), ("fractions", fractions)):
+        if isinstance(given, (int, float, str)):
+            raise ValueError(f"pareto({name}={given!r}) takes a sequence; write "
+                             f"{name}=[{given!r}]")
     opt = step if isinstance(step, Optimized) else optimize(step, config=config)
     if isinstance(opt, _NnxOptimized):  # an nnx.jit step: swept on its arguments' state
         return opt._on_state(
-            lambda _, *a, **k: _sweep_all(opt, a, k, budgets, config, planners, factor,
+            lambda _, *a, **k: _sweep_all(opt, a, k, budgets, fractions, config, planners, factor,
                                           min_fraction, unplanned_bytes, on_error), args, kwargs)
-    return _sweep_all(opt, args, kwargs, budgets, config, planners, factor, min_fraction,
-                      unplanned_bytes, on_error)
+    return _sweep_all(opt, args, kwargs, budgets, fractions, config, planners, factor,
+                      min_fraction, unplanned_bytes, on_error)
 
 
 def _sweep_all(opt: Optimized, args: tuple[Any, ...], kwargs: dict[str, Any],
-               budgets: Sequence[BudgetSpec] | None, config: Config | None,
+               budgets: Sequence[BudgetSpec] | None, fractions: Sequence[float] | None,
+               config: Config | None,
                planners: Sequence[str] | None, factor: float, min_fraction: float,
                unplanned_bytes: int | None, on_error: OnError) -> list[Point]:
     """:func:`pareto` on a decorated step, its arguments checked."""
@@ -191,7 +200,11 @@ def _sweep_all(opt: Optimized, args: tuple[Any, ...], kwargs: dict[str, Any],
     target = base.resolve_target(dyn)
     abstract = abstract_args(dyn, target)
     sweep = _Sweep(rebuild, abstract, target, unplanned_bytes, on_error, dyn)
-    resolved = None if budgets is None else [sweep.resolve(b) for b in budgets]
+    resolved = None
+    if budgets is not None or fractions is not None:
+        resolved = [dataclasses.replace(base, budget=b).budget_bytes(target)
+                    for b in budgets or ()]
+        resolved += [sweep.of_unplanned(f) for f in fractions or ()]
     if level == 0:
         sweep.fallback = "JAXMEM_LEVEL=0 turns jaxmem off"
     else:
@@ -329,28 +342,12 @@ class _Sweep:
             self._unplanned_bytes = self.unplanned()[0].device_bytes
         return self._unplanned_bytes
 
-    def resolve(self, budget: BudgetSpec) -> int:
-        """Bytes of one ``budgets`` entry (fractions are of the unplanned compiled bytes)."""
-        if isinstance(budget, bool):
-            raise ValueError(_BAD_BUDGET.format(value=budget))
-        if isinstance(budget, numbers.Integral):
-            budget = int(budget)
-        elif isinstance(budget, numbers.Real):
-            budget = float(budget)
-        if isinstance(budget, float) or (isinstance(budget, str) and budget.strip().endswith("%")):
-            try:
-                fraction = budget if isinstance(budget, float) else float(budget.strip()[:-1]) / 100
-            except ValueError:
-                raise ValueError(_BAD_BUDGET.format(value=budget)) from None
-            if not fraction > 0:
-                raise ValueError(_BAD_BUDGET.format(value=budget))
-            return max(1, int(fraction * self.unplanned_bytes))
-        if isinstance(budget, (int, str)):
-            try:
-                return parse_bytes(budget, "budget")
-            except ValueError:
-                raise ValueError(_BAD_BUDGET.format(value=budget)) from None
-        raise ValueError(_BAD_BUDGET.format(value=budget))
+    def of_unplanned(self, fraction: float) -> int:
+        """Bytes of ``fraction`` of the unplanned step's compiled device bytes."""
+        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) \
+                or not fraction > 0:
+            raise ValueError(_BAD_FRACTION.format(value=fraction))
+        return max(1, int(float(fraction) * self.unplanned_bytes))
 
     def geometric(self, config: Config, factor: float, min_fraction: float) -> list[Point]:
         """The sweep for one planner: down the grid to the first failure, then its named minimum."""

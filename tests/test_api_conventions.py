@@ -185,7 +185,7 @@ def test_a_budget_sweep_takes_an_nnx_jit_step():
     def grads(model, x):
         return nnx.grad(lambda m: jnp.sum(jnp.tanh(m(x)) ** 2))(model)
 
-    (point,) = jaxmem.pareto(nnx.jit(grads), model, jnp.ones((8, 16)), budgets=[1.0],
+    (point,) = jaxmem.pareto(nnx.jit(grads), model, jnp.ones((8, 16)), fractions=[1.0],
                              config=CPU)
     assert point.status == "ok" and point.compiled_bytes == point.unplanned_bytes
 

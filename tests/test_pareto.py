@@ -73,11 +73,14 @@ def test_ok_points_compile_within_their_budget(h100_sweep):
 
 
 def test_explicit_budgets_in_every_form():
+    """``budgets`` as Config reads a budget (a float: a fraction of the target's memory);
+    ``fractions`` of the unplanned step's compiled bytes, after them."""
     unplanned = _unplanned_bytes()
-    points = jaxmem.pareto(_step, *ARGS, budgets=[1.0, "90%", unplanned, "64MiB"], config=H100,
-                           unplanned_bytes=unplanned)
-    assert [p.budget_bytes for p in points] == [unplanned, int(0.9 * unplanned), unplanned,
-                                                64 << 20]
+    h100 = jaxmem.targets.get("h100").memory_bytes
+    points = jaxmem.pareto(_step, *ARGS, budgets=[unplanned, "64MiB", 0.001],
+                           fractions=[1.0, 0.9], config=H100, unplanned_bytes=unplanned)
+    assert [p.budget_bytes for p in points] == [unplanned, 64 << 20, int(0.001 * h100),
+                                                unplanned, int(0.9 * unplanned)]
     assert all(p.sweep == "grid" for p in points)
     for p in points:
         if p.status == "ok":
@@ -100,7 +103,7 @@ def test_planned_step_matches_the_unplanned_one_bit_for_bit():
 
 
 def test_several_planners_each_sweep_in_turn():
-    points = jaxmem.pareto(_step, *ARGS, budgets=[1.0, 0.2], config=H100,
+    points = jaxmem.pareto(_step, *ARGS, fractions=[1.0, 0.2], config=H100,
                            planners=["greedy", "chen"])
     assert [(p.planner, p.budget_bytes > 0) for p in points] == [
         ("greedy", True), ("greedy", True), ("chen", True), ("chen", True)]
@@ -187,15 +190,23 @@ def test_bad_factor_says_what_is_allowed(factor):
         jaxmem.pareto(_step, *ARGS, config=H100, factor=factor)
 
 
-@pytest.mark.parametrize("budget", [True, "lots", -5, [1]])
+@pytest.mark.parametrize("budget", [True, "lots", -5, "90%"])
 def test_bad_budget_says_what_is_allowed(budget):
-    with pytest.raises(ValueError, match="fraction of the unplanned"):
+    with pytest.raises(ValueError, match="budget"):
         jaxmem.pareto(_step, *ARGS, config=H100, budgets=[budget], unplanned_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("fraction", [True, "90%", -0.5, 0.0, [1]])
+def test_bad_fraction_says_what_is_allowed(fraction):
+    with pytest.raises(ValueError, match="fractions of the unplanned"):
+        jaxmem.pareto(_step, *ARGS, config=H100, fractions=[fraction], unplanned_bytes=1 << 20)
 
 
 def test_a_lone_budget_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"budgets=\['64MiB'\]"):
         jaxmem.pareto(_step, *ARGS, config=H100, budgets="64MiB")
+    with pytest.raises(ValueError, match=r"fractions=\[0.5\]"):
+        jaxmem.pareto(_step, *ARGS, config=H100, fractions=0.5)
 
 
 def test_unknown_planner_is_refused():
