@@ -114,7 +114,7 @@ SECTIONS = (
         "*device MiB / estimated ms* of a plan that fits, or its status; the fastest plan "
         "that fits each budget is bold.",
         "python -m bench --models mlp --size bench --step grad --planners all "
-        "--budgets 0.7,0.5,0.3 --out $OUT",
+        "--fractions 0.7,0.5,0.3 --out $OUT",
         _render_main),
     Section(
         "sweeps", "Every zoo model: `cpsat` swept against every stock policy",

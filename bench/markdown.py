@@ -75,7 +75,9 @@ def by_budget(lines: list[dict]) -> str:
     each model's budget column the fastest plan that fits is bold.
     """
     budgets = list(dict.fromkeys(r["budget"] for r in lines))
-    rows = ["| model | planner | " + " | ".join(f"{b} of peak" for b in budgets) + " |",
+    of = {r["budget"]: r.get("budget_of") for r in lines}
+    rows = ["| model | planner | " + " | ".join(
+        f"{b} of peak" if of[b] == "unplanned peak" else str(b) for b in budgets) + " |",
             "|---|---|" + "---|" * len(budgets)]
     models = list(dict.fromkeys(r["model"] for r in lines))
     for model in models:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from typing import Sequence
+from typing import Any, Sequence
 
 _UNITS = {
     "": 1, "b": 1,
@@ -16,8 +16,13 @@ _AMOUNT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*|%)\s*$")
 
 _BAD_BUDGET = (
     "cannot read budget {text!r}: write bytes (1073741824), bytes with a unit (60GiB, 512MiB, "
-    "1.5GB; units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), or a fraction of the unplanned step's "
-    "compiled peak (0.5, or 50%), or 'default' (the target's default budget)")
+    "1.5GB; units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), a float in (0, 1] for a fraction of "
+    "the target's memory (as jaxmem.Config reads it), or 'default' (the target's default "
+    "budget); fractions of the unplanned step's compiled peak go in --fractions")
+
+_BAD_FRACTION = (
+    "cannot read fraction {text!r}: --fractions takes fractions of the unplanned step's "
+    "compiled peak (0.5, or 50%); sizes and fractions of the target's memory go in --budgets")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,33 +32,46 @@ class Budget:
     Attributes:
       text: what was written (``"60GiB"``, ``"0.5"``, ``"default"``).
       bytes: an absolute budget, or ``None``.
-      fraction: a fraction of the unplanned (``none``) step's compiled
-        device bytes, or ``None``.
+      fraction: a fraction of the unplanned (``none``) step's compiled device
+        bytes (``--fractions``), or ``None``.
+      of_memory: a fraction of the target's memory (a float in ``--budgets``,
+        as ``jaxmem.Config`` reads it), or ``None``.
     """
 
     text: str
     bytes: int | None = None
     fraction: float | None = None
+    of_memory: float | None = None
 
-    def resolve(self, none_bytes: int | None, default_bytes: int) -> int | None:
-        """Bytes of this budget; ``None`` if it is a fraction and ``none_bytes`` is unknown."""
+    @property
+    def of(self) -> str | None:
+        """What the budget is a part of: ``"unplanned peak"``, ``"target memory"`` or ``None``."""
+        if self.fraction is not None:
+            return "unplanned peak"
+        return "target memory" if self.of_memory is not None else None
+
+    def resolve(self, none_bytes: int | None, target: Any) -> int | None:
+        """Bytes of this budget on ``target``; ``None`` if it is a fraction of the unplanned
+        peak and ``none_bytes`` is unknown."""
         if self.bytes is not None:
             return self.bytes
         if self.fraction is not None:
             return None if none_bytes is None else int(self.fraction * none_bytes)
-        return default_bytes
+        if self.of_memory is not None:
+            return int(self.of_memory * target.memory_bytes)
+        return int(target.default_budget_bytes)
 
 
 DEFAULT_BUDGET = Budget("default")
 
 
 def parse_budget(text: str) -> Budget:
-    """Read one budget: bytes, bytes with a unit, a fraction (decimal point or ``%``) or
-    ``default``.
+    """Read one ``--budgets`` entry: bytes, bytes with a unit, a float in (0, 1] (a fraction of
+    the target's memory) or ``default``.
 
     >>> parse_budget("512MiB").bytes
     536870912
-    >>> parse_budget("0.5").fraction
+    >>> parse_budget("0.5").of_memory
     0.5
 
     Raises:
@@ -62,13 +80,13 @@ def parse_budget(text: str) -> Budget:
     if text.strip().lower() == "default":
         return DEFAULT_BUDGET
     match = _AMOUNT.match(text)
-    if match is None:
+    if match is None or match.group(2) == "%":
         raise ValueError(_BAD_BUDGET.format(text=text))
     number, unit = match.group(1), match.group(2)
-    if unit == "%":
-        return Budget(text.strip(), fraction=float(number) / 100)
     if not unit and "." in number:
-        return Budget(text.strip(), fraction=float(number))
+        if not 0.0 < float(number) <= 1.0:
+            raise ValueError(_BAD_BUDGET.format(text=text))
+        return Budget(text.strip(), of_memory=float(number))
     scale = _UNITS.get(unit.lower())
     if scale is None:
         raise ValueError(_BAD_BUDGET.format(text=text))
@@ -76,11 +94,29 @@ def parse_budget(text: str) -> Budget:
     return Budget(text.strip(), bytes=exact)
 
 
-def parse_budgets(text: str | None) -> tuple[Budget, ...]:
-    """A comma-separated list of budgets; ``None`` or empty gives the target's default."""
-    if not text or not text.strip():
-        return (DEFAULT_BUDGET,)
-    return tuple(parse_budget(part) for part in text.split(",") if part.strip())
+def parse_fraction(text: str) -> Budget:
+    """Read one ``--fractions`` entry: a fraction of the unplanned step's compiled peak.
+
+    >>> parse_fraction("50%").fraction
+    0.5
+
+    Raises:
+      ValueError: not a positive number or percentage.
+    """
+    match = _AMOUNT.match(text)
+    if match is None or match.group(2) not in ("", "%"):
+        raise ValueError(_BAD_FRACTION.format(text=text))
+    value = float(match.group(1)) / (100 if match.group(2) == "%" else 1)
+    if not value > 0:
+        raise ValueError(_BAD_FRACTION.format(text=text))
+    return Budget(text.strip(), fraction=value)
+
+
+def parse_budgets(budgets: str | None, fractions: str | None = None) -> tuple[Budget, ...]:
+    """``--budgets`` then ``--fractions`` (comma lists); neither gives the target's default."""
+    parsed = tuple(parse_budget(part) for part in (budgets or "").split(",") if part.strip())
+    parsed += tuple(parse_fraction(part) for part in (fractions or "").split(",") if part.strip())
+    return parsed or (DEFAULT_BUDGET,)
 
 
 def _names(text: str | None) -> list[str] | None:
@@ -125,10 +161,14 @@ def parser() -> argparse.ArgumentParser:
                    help="model size (default: tiny)")
     p.add_argument("--planners", help="comma list from jaxmem.planners.names(), or 'all' (default: "
                                       "the peers); 'none' always runs as the reference")
-    p.add_argument("--budgets", help="comma list: bytes, 60GiB, 512MiB, a fraction such as 0.5 "
-                                     "or 50%% of the unplanned step's compiled peak, or "
-                                     "'default': the target's default budget, 75%% of its "
-                                     "memory (the default)")
+    p.add_argument("--budgets", help="comma list, as jaxmem.Config reads a budget: bytes, 60GiB, "
+                                     "512MiB, a float in (0, 1] for a fraction of the target's "
+                                     "memory, or 'default': the target's default budget, 75%% "
+                                     "of its memory (the default when --fractions is not given "
+                                     "either)")
+    p.add_argument("--fractions", help="comma list of fractions of the unplanned step's "
+                                       "compiled peak: 0.7,0.5 or 70%%,50%% (after --budgets' "
+                                       "budgets)")
     p.add_argument("--target", default="h100", help="h100, h200 or cpu (default: h100)")
     p.add_argument("--out", default="bench_out", help="output directory (default: bench_out/)")
     p.add_argument("--step", choices=("train", "grad"), default="train",
@@ -177,13 +217,15 @@ def parse(argv: Sequence[str] | None = None) -> Options:
     p = parser()
     ns = p.parse_args(argv)
     try:
-        budgets = parse_budgets(ns.budgets)
+        budgets = parse_budgets(ns.budgets, ns.fractions)
     except ValueError as err:
         p.error(str(err))
     if ns.repeats < 1:
         p.error(f"--repeats must be at least 1; got {ns.repeats}")
-    if ns.sweep and ns.budgets:
-        p.error(f"--sweep chooses its own budgets; drop --budgets {ns.budgets!r} or --sweep")
+    if ns.sweep and (ns.budgets or ns.fractions):
+        given = "--budgets" if ns.budgets else "--fractions"
+        p.error(f"--sweep chooses its own budgets; drop {given} {ns.budgets or ns.fractions!r} "
+                f"or --sweep")
     if not 0.0 < ns.sweep_factor < 1.0:
         p.error(f"--sweep-factor must lie strictly between 0 and 1 (e.g. 0.8); got "
                 f"{ns.sweep_factor}")

@@ -147,7 +147,7 @@ def _bench_model(model: str, names: list[str], options: Options, target: targets
         yield from sweep_model(model, names, options, target, builder, reference, zoo, cpu_args)
         return
     none_bytes = reference.report.device_bytes if reference.report else None
-    budgets = [(b, b.resolve(none_bytes, target.default_budget_bytes)) for b in options.budgets]
+    budgets = [(b, b.resolve(none_bytes, target)) for b in options.budgets]
     for name in names:
         entry = registry.get(name)
         if entry.kind == "peer":
@@ -286,6 +286,7 @@ def _record(model: str, planner: str, kind: str, budget: Budget, budget_bytes: i
     record: dict[str, Any] = {
         "model": model, "size": options.size, "variant": "scan" if options.scan else "unrolled",
         "step": options.step, "planner": planner, "kind": kind, "budget": budget.text,
+        "budget_of": budget.of,
         "bitwise": options.bitwise if kind == "planner" else None,
         "op_times": options.op_times if kind == "planner" else None,
         "budget_bytes": budget_bytes, "target": target.name, "status": status,

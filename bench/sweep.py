@@ -27,7 +27,7 @@ import jaxmem.planners as registry
 from bench.options import Budget, Options
 from bench.runner import Builder, _cpu, _describe, _Outcome, _peer, _progress, _record
 from jaxmem import targets
-from jaxmem.pareto import Point, sweep_budgets
+from jaxmem.pareto import Point, PointStatus, sweep_budgets
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def sweep_model(model: str, names: list[str], options: Options, target: targets.
             outcome = _outcome(point)
             if cpu_args is not None and outcome.step is not None:
                 _cpu(outcome, outcome.step, cpu_args, options.repeats)
-            budget = Budget(_fraction_text(point.budget_bytes, none_bytes))
+            budget = _of_unplanned(point.budget_bytes, none_bytes)
             record = _record(model, name, "planner", budget, point.budget_bytes, outcome,
                              reference, options, target)
             record["compile_time_s"] = None
@@ -78,7 +78,7 @@ def sweep_model(model: str, names: list[str], options: Options, target: targets.
                                       reference, options, target), None, None)
             continue
         for nbytes in sorted(budgets, reverse=True):
-            budget = Budget(_fraction_text(nbytes, none_bytes))
+            budget = _of_unplanned(nbytes, none_bytes)
             yield _with_sweep(_record(model, name, "peer", budget, nbytes, outcomes[name],
                                       reference, options, target), None, None)
     yield from planner_records
@@ -109,15 +109,15 @@ def _outcome(point: Point) -> _Outcome:
                        predicted_peak_bytes=plan.predicted_peak_bytes if plan else None,
                        solve_time_s=point.solve_time_s, min_feasible_bytes=point.min_feasible_bytes,
                        plan=plan)
-    if point.status == "infeasible":
+    if point.status == PointStatus.INFEASIBLE:
         outcome.infeasible = True
         outcome.error = "infeasible"
-    elif point.status.startswith("fallback"):
+    elif point.status == PointStatus.FALLBACK:
         outcome.error = (f"error: jaxmem.optimize could not plan this step and ran it unplanned "
-                         f"({point.status})")
+                         f"(fallback: {point.reason})")
         outcome.step = None
-    elif point.status.startswith("error"):
-        outcome.error = point.status
+    elif point.status == PointStatus.ERROR:
+        outcome.error = f"error: {point.reason}"
     return outcome
 
 
@@ -128,5 +128,8 @@ def _with_sweep(record: dict[str, Any], sweep: str | None, monotone: bool | None
     return record
 
 
-def _fraction_text(nbytes: int, none_bytes: int | None) -> str:
-    return f"{nbytes / none_bytes:.3f}" if none_bytes else str(nbytes)
+def _of_unplanned(nbytes: int, none_bytes: int | None) -> Budget:
+    """A sweep budget, written as its fraction of the unplanned step's compiled peak."""
+    if not none_bytes:
+        return Budget(str(nbytes), bytes=nbytes)
+    return Budget(f"{nbytes / none_bytes:.3f}", fraction=nbytes / none_bytes)

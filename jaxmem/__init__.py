@@ -13,6 +13,7 @@ Public surface (everything else is internal and may change):
     jaxmem.explain   the tensors alive at a step's predicted memory peak, in words
     jaxmem.predict_peak_bytes   a step's predicted device bytes on a target
     jaxmem.pareto    plan a step at many budgets: compiled bytes vs estimated time per planner
+                     (one Point each; its status a PointStatus)
     jaxmem.frontier  the points of a sweep no other point beats on memory and time
     jaxmem.remat     drop-in for jax.checkpoint whose policy (save/offload/remat per name)
                      comes from the plan; jaxmem.planned_policy() is the same for nn.remat
@@ -33,7 +34,12 @@ from jaxmem.errors import (
     UnsupportedConstructError as UnsupportedConstructError,
 )
 from jaxmem.optimize import optimize as optimize
-from jaxmem.pareto import Point as Point, frontier as frontier, pareto as pareto
+from jaxmem.pareto import (
+    Point as Point,
+    PointStatus as PointStatus,
+    frontier as frontier,
+    pareto as pareto,
+)
 from jaxmem.planners.scanplan import plan_blocks as plan_blocks
 from jaxmem.plans.plan import Plan as Plan
 from jaxmem.tracing.blocks import planned_policy as planned_policy, remat as remat

@@ -10,12 +10,13 @@ both memory and time. Step times are roofline estimates for the target
 Budgets come in two kinds, named apart: ``budgets`` as :class:`~jaxmem.Config`
 reads a budget (bytes, a size string, or a float in (0, 1] for a fraction of the
 target's memory), and ``fractions`` of the unplanned step's compiled device
-bytes (0.5: half of what the step needs as written). Without either the sweep starts at the unplanned step's compiled device
-bytes and lowers the budget geometrically (``factor``, default 0.8) until the
-planner cannot fit one, or the budget drops below ``min_fraction`` of the
-unplanned bytes; then it tries once more at the smallest budget the failure
-named (the best compiled footprint :class:`~jaxmem.errors.InfeasibleBudgetError`
-reports), when that lies between the failed budget and the last fitted one.
+bytes (0.5: half of what the step needs as written). Without either the sweep
+starts at the unplanned step's compiled device bytes and lowers the budget
+geometrically (``factor``, default 0.8) until the planner cannot fit one, or
+the budget drops below ``min_fraction`` of the unplanned bytes; then it tries
+once more at the smallest budget the failure named (the best compiled footprint
+:class:`~jaxmem.errors.InfeasibleBudgetError` reports), when that lies between
+the failed budget and the last fitted one.
 
 >>> import jax, jax.numpy as jnp, jaxmem
 >>> def step(w, x):
@@ -29,6 +30,7 @@ reports), when that lies between the failed budget and the last fitted one.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import numbers
 import time
@@ -68,6 +70,30 @@ _BAD_MIN = ("pareto(min_fraction={value!r}): the sweep's floor is a fraction of 
             "step's compiled bytes in [0, 1) (e.g. 0.05)")
 
 
+class PointStatus(str, enum.Enum):
+    """How one point of a sweep ended. A ``str``: ``point.status == "ok"`` holds.
+
+    ``OK``: compiled within the budget. ``OVER_BUDGET``: no plan fitted and the
+    config says ``on_over_budget="warn"`` (the figures are the best plan's).
+    ``INFEASIBLE``: no plan fitted; only the best compiled bytes are known.
+    ``FALLBACK``: jaxmem could not plan the step and the figures are the
+    unplanned step's (:attr:`Point.reason` says why). ``ERROR``: the planner or
+    the compiler raised, with ``on_error="record"`` (:attr:`Point.reason` says what).
+    """
+
+    OK = "ok"
+    OVER_BUDGET = "over_budget"
+    INFEASIBLE = "infeasible"
+    FALLBACK = "fallback"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 @dataclasses.dataclass(frozen=True)
 class Point:
     """One (planner, budget) of a sweep.
@@ -75,12 +101,8 @@ class Point:
     Attributes:
       planner: the planner's registry name.
       budget_bytes: the device budget asked for.
-      status: ``"ok"`` (compiled within budget), ``"over_budget"`` (no plan
-        fitted and the config says ``on_over_budget="warn"``: the figures are
-        those of the best plan), ``"infeasible"`` (no plan fitted; only the best
-        compiled bytes are known), ``"fallback: <why>"`` (jaxmem could not plan
-        the step; the figures are the unplanned step's) or, with
-        ``on_error="record"``, ``"error: <what>"``.
+      status: a :class:`PointStatus`: ``"ok"``, ``"over_budget"``,
+        ``"infeasible"``, ``"fallback"`` or ``"error"``.
       compiled_bytes: device bytes of the compiled step (temp + arguments +
         outputs - aliased); for ``infeasible`` the best any round reached.
       host_bytes: pinned-host bytes of the compiled step.
@@ -97,6 +119,8 @@ class Point:
         ``"smallest_feasible"`` (the extra point at the budget a failure named).
       monotone: ``False`` when a higher budget of the same planner compiled to
         fewer device bytes (monotone quality; also logged).
+      reason: why a ``fallback`` point was not planned, or what an ``error``
+        point raised (``"RuntimeError: boom"``); ``None`` otherwise.
       report: the full :class:`~jaxmem.cost.measure.Report` (not in the repr).
       step: the emitted step, ``jax.jit``-ed, called with the step's dynamic
         arguments (not in the repr).
@@ -104,7 +128,7 @@ class Point:
 
     planner: str
     budget_bytes: int
-    status: str
+    status: PointStatus
     compiled_bytes: int | None
     host_bytes: int | None
     est_step_time_s: float | None
@@ -116,17 +140,19 @@ class Point:
     unplanned_bytes: int | None = None
     sweep: Literal["grid", "smallest_feasible"] = "grid"
     monotone: bool = True
+    reason: str | None = None
     report: Report | None = dataclasses.field(default=None, repr=False, compare=False)
     step: Callable[..., Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def fits(self) -> bool:
         """Whether the compiled step is within the budget."""
-        return self.status == "ok"
+        return self.status == PointStatus.OK
 
 
 def pareto(step: Callable[..., Any], *args: Any, budgets: Sequence[BudgetSpec] | None = None,
-           fractions: Sequence[float] | None = None, config: Config | None = None, planners: Sequence[str] | None = None,
+           fractions: Sequence[float] | None = None, config: Config | None = None,
+           planners: Sequence[str] | None = None,
            factor: float = DEFAULT_FACTOR, min_fraction: float = DEFAULT_MIN_FRACTION,
            unplanned_bytes: int | None = None, on_error: OnError = "raise",
            **kwargs: Any) -> list[Point]:
@@ -232,7 +258,7 @@ def frontier(points: Sequence[Point]) -> list[Point]:
     have no time). Of points with equal figures the first is kept. Sorted by
     compiled bytes, increasing (so estimated time decreases).
 
-    >>> p = lambda b, t: Point("greedy", 0, "ok", b, 0, t, 0.0, 0.0, 1, None)
+    >>> p = lambda b, t: Point("greedy", 0, PointStatus.OK, b, 0, t, 0.0, 0.0, 1, None)
     >>> [(q.compiled_bytes, q.est_step_time_s) for q in frontier([p(3, 1.0), p(2, 2.0), p(3, 3.0)])]
     [(2, 2.0), (3, 1.0)]
     """
@@ -255,7 +281,8 @@ def check_monotone(points: Sequence[Point]) -> list[Point]:
     violation is logged as a warning naming both budgets.
     """
     out = list(points)
-    runs = sorted((i for i, p in enumerate(out) if p.status in ("ok", "over_budget")
+    built = (PointStatus.OK, PointStatus.OVER_BUDGET)
+    runs = sorted((i for i, p in enumerate(out) if p.status in built
                    and p.compiled_bytes is not None), key=lambda i: -out[i].budget_bytes)
     best: Point | None = None
     best_bytes = 0  # best's compiled bytes
@@ -355,12 +382,12 @@ class _Sweep:
         for budget in sweep_budgets(self.unplanned_bytes, factor, min_fraction):
             point = self.point(config, budget)
             points.append(point)
-            if point.status.startswith("fallback"):
+            if point.status == PointStatus.FALLBACK:
                 break  # no planning happens: lower budgets give the same step
-            if point.status != "ok":
-                smallest = point.min_feasible_bytes if point.status == "infeasible" \
-                    else point.compiled_bytes if point.status == "over_budget" else None
-                fitted = [p.budget_bytes for p in points if p.status == "ok"]
+            if point.status != PointStatus.OK:
+                smallest = point.min_feasible_bytes if point.status == PointStatus.INFEASIBLE \
+                    else point.compiled_bytes if point.status == PointStatus.OVER_BUDGET else None
+                fitted = [p.budget_bytes for p in points if p.status == PointStatus.OK]
                 above = min(fitted) if fitted else float("inf")
                 if smallest is not None and budget < smallest < above:
                     points.append(self.point(config, smallest, sweep="smallest_feasible"))
@@ -376,7 +403,8 @@ class _Sweep:
                                       sweep=sweep, unplanned_bytes=self._unplanned_bytes)
         if self.fallback is not None:
             rep, jitted = self.unplanned()
-            return Point(status=f"fallback: {self.fallback}", compiled_bytes=rep.device_bytes,
+            return Point(status=PointStatus.FALLBACK, reason=self.fallback,
+                         compiled_bytes=rep.device_bytes,
                          host_bytes=rep.host_bytes, est_step_time_s=rep.est_step_time_s,
                          solve_time_s=None, elapsed_s=time.perf_counter() - start, rounds=0,
                          plan=None, report=rep, step=jitted, **common)
@@ -392,7 +420,7 @@ class _Sweep:
             logger.info("pareto: planner %s infeasible at %s (best compiled %s)",
                         config.planner, format_bytes(budget_bytes),
                         format_bytes(err.best_compiled_bytes))
-            return Point(status="infeasible", compiled_bytes=err.best_compiled_bytes,
+            return Point(status=PointStatus.INFEASIBLE, compiled_bytes=err.best_compiled_bytes,
                          host_bytes=None, est_step_time_s=None,
                          solve_time_s=counters.get("planning_s"),
                          elapsed_s=time.perf_counter() - start, rounds=0, plan=None,
@@ -403,11 +431,12 @@ class _Sweep:
             logger.exception("pareto: planner %s failed at budget %s", config.planner,
                              format_bytes(budget_bytes))
             first = (str(err).strip().splitlines() or [""])[0][:400]
-            return Point(status=f"error: {type(err).__name__}: {first}", compiled_bytes=None,
+            return Point(status=PointStatus.ERROR, reason=f"{type(err).__name__}: {first}",
+                         compiled_bytes=None,
                          host_bytes=None, est_step_time_s=None, solve_time_s=None,
                          elapsed_s=time.perf_counter() - start, rounds=0, plan=None, **common)
         plan = plan.replace(graph=self.graph)  # so that point.plan.write_report(dir) can draw it
-        status = "ok" if rep.device_bytes <= budget_bytes else "over_budget"
+        status = PointStatus.OK if rep.device_bytes <= budget_bytes else PointStatus.OVER_BUDGET
         point = Point(status=status, compiled_bytes=rep.device_bytes, host_bytes=rep.host_bytes,
                       est_step_time_s=rep.est_step_time_s,
                       solve_time_s=counters.get("planning_s", 0.0),

@@ -13,7 +13,7 @@ from hypothesis import given, strategies as st
 
 import jaxmem
 from bench.__main__ import main
-from bench.options import parse_budget
+from bench.options import parse_budget, parse_fraction
 from jaxmem.planners import _registry
 
 S = jax.ShapeDtypeStruct
@@ -86,7 +86,8 @@ def _records(out: Any) -> list[dict[str, Any]]:
 
 def test_bench_writes_results_table_and_plot(tmp_path, capsys):
     argv = ["--models", "fake", "--planners", "none,full,dots,offload_dots_no_batch,minimal",
-            "--budgets", "0.5,64MiB", "--cpu-time", "--repeats", "2", "--out", str(tmp_path)]
+            "--budgets", "64MiB", "--fractions", "0.5", "--cpu-time", "--repeats", "2",
+            "--out", str(tmp_path)]
     assert main(argv, builder=fake_build) == 0
     records = _records(tmp_path)
     assert len(records) == 5 * 2
@@ -178,7 +179,8 @@ def test_failed_reference_leaves_fraction_budgets_unresolved(tmp_path):
     def builder(*args: Any, **kwargs: Any) -> FakeStep:
         return fake_build(*args, fail_on=("none",), **kwargs)
 
-    argv = ["--models", "fake", "--planners", "none,full", "--budgets", "0.5,default",
+    argv = ["--models", "fake", "--planners", "none,full", "--budgets", "default",
+            "--fractions", "0.5",
             "--out", str(tmp_path), "--no-plot"]
     assert main(argv, builder=builder) == 0
     by = {(r["planner"], r["budget"]): r for r in _records(tmp_path)}
@@ -201,15 +203,31 @@ def test_budget_bytes(text, expected):
     assert parse_budget(text).bytes == expected
 
 
-@pytest.mark.parametrize("text,expected", [("0.5", 0.5), ("50%", 0.5), (".25", 0.25)])
-def test_budget_fractions(text, expected):
-    assert parse_budget(text).fraction == expected
+@pytest.mark.parametrize("text,expected", [("0.5", 0.5), ("50%", 0.5), (".25", 0.25),
+                                           ("1.2", 1.2)])
+def test_fractions_are_of_the_unplanned_peak(text, expected):
+    assert parse_fraction(text).fraction == expected and parse_fraction(text).of == \
+        "unplanned peak"
 
 
-@pytest.mark.parametrize("text", ["", "abc", "12 parsecs", "-1GiB", "1e9"])
+@pytest.mark.parametrize("text,expected", [("0.5", 0.5), (".25", 0.25), ("1.0", 1.0)])
+def test_a_float_budget_is_a_fraction_of_the_targets_memory_as_in_config(text, expected):
+    budget = parse_budget(text)
+    assert budget.of_memory == expected and budget.of == "target memory"
+    h100 = jaxmem.targets.get("h100")
+    assert budget.resolve(None, h100) == jaxmem.Config(budget=expected).budget_bytes(h100)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "12 parsecs", "-1GiB", "1e9", "50%", "1.5"])
 def test_bad_budgets_say_what_is_allowed(text):
-    with pytest.raises(ValueError, match="GiB"):
+    with pytest.raises(ValueError, match="GiB.*--fractions"):
         parse_budget(text)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "64MiB", "0", "-0.5"])
+def test_bad_fractions_say_what_is_allowed(text):
+    with pytest.raises(ValueError, match="--fractions takes fractions of the unplanned"):
+        parse_fraction(text)
 
 
 @given(st.integers(min_value=0, max_value=1 << 40),
@@ -256,6 +274,7 @@ def test_sweep_on_the_tiny_mlp_writes_records_and_the_frontier_plot(tmp_path, ca
 
 @pytest.mark.parametrize("argv,message", [
     (["--sweep", "--budgets", "0.5"], "--sweep chooses its own budgets"),
+    (["--sweep", "--fractions", "0.5"], "drop --fractions"),
     (["--sweep", "--sweep-factor", "1.2"], "--sweep-factor must lie strictly between 0 and 1"),
     (["--sweep", "--sweep-min", "1"], "--sweep-min is a fraction"),
 ])
@@ -270,7 +289,8 @@ def test_markdown_by_budget_puts_budgets_in_columns_and_marks_the_fastest_fit():
 
     def rec(planner, budget, status, peak=None, t=None, host=0):
         return {"model": "m", "planner": planner, "budget": budget, "budget_bytes": 100 << 20,
-                "status": status, "compiled_peak_bytes": peak, "est_step_time_s": t,
+                "budget_of": "unplanned peak", "status": status, "compiled_peak_bytes": peak,
+                "est_step_time_s": t,
                 "host_bytes": host}
     lines = [rec("none", "0.5", "over_budget", 200 << 20, 0.010),
              rec("a", "0.5", "ok", 90 << 20, 0.012),

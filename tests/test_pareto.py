@@ -128,7 +128,7 @@ def test_unsupported_step_gives_fallback_points(caplog):
     with caplog.at_level(logging.WARNING, logger="jaxmem.pareto"):
         points = jaxmem.pareto(step, jnp.arange(4.0), config=jaxmem.Config(target="cpu"))
     assert len(points) == 1  # lower budgets would give the same unplanned step
-    assert points[0].status.startswith("fallback: ") and "io_callback" in points[0].status
+    assert points[0].status == "fallback" and "io_callback" in points[0].reason
     assert points[0].compiled_bytes > 0 and points[0].plan is None
     assert "io_callback" in caplog.text
 
@@ -148,7 +148,7 @@ def test_planner_errors_are_recorded_or_raised(broken_planner, caplog):
         points = jaxmem.pareto(_step, *ARGS, config=H100, planners=[broken_planner, "greedy"],
                                on_error="record")
     broken = [p for p in points if p.planner == broken_planner]
-    assert [p.status for p in broken] == ["error: RuntimeError: boom"]  # its sweep stops
+    assert [(p.status, p.reason) for p in broken] == [("error", "RuntimeError: boom")]  # it stops
     assert broken[0].plan is None and "boom" in caplog.text
     assert any(p.planner == "greedy" and p.status == "ok" for p in points)
     with pytest.raises(RuntimeError, match="boom"):
