@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m bench --models mlp,gpt2 --size tiny --budgets 0.5,0.8 --cpu-time
+    python -m bench --models mlp,gpt2 --size tiny --fractions 0.5,0.8 --cpu-time
 
 It compiles each (model, planner, budget) for the target (``h100`` by
 default, compile-only), writes one JSON line per run to
@@ -10,7 +10,11 @@ default, compile-only), writes one JSON line per run to
 in MiB and ratios to the unplanned step (``none``), and plots compiled peak
 against estimated step time in ``OUT/pareto.png``.
 
-Sweep mode (:mod:`bench.sweep`) replaces ``--budgets``::
+``--budgets`` takes budgets as ``jaxmem.Config`` reads them (bytes, ``60GiB``, a
+float for a fraction of the target's memory, ``default``); ``--fractions`` takes
+fractions of the unplanned step's compiled peak.
+
+Sweep mode (:mod:`bench.sweep`) replaces ``--budgets`` and ``--fractions``::
 
     python -m bench --models gpt2 --size bench --planners all --sweep --sweep-factor 0.8
 
@@ -22,6 +26,9 @@ failure named; the peers compile once and get one record per budget tried.
 time: each planner a line through its sweep points, each peer a marker, the
 budgets as light vertical lines. Every step time is a roofline estimate for
 the target, not a measurement.
+
+One-off experiments, apart from the suite, are in :mod:`bench.experiments`
+(``python -m bench.experiments.NAME``).
 """
 
 import os

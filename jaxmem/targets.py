@@ -58,7 +58,7 @@ CPU_MEMORY_SCHEDULER = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPT
 # boundaries, and XLA:CPU rounds a value such as a tanh differently when it is computed
 # in another fusion, so a planned step can differ from the plain one in the last bits.
 # They are used only for steps that need not be bitwise (``Config(bitwise=False)``);
-# ``python -m bench.cpu_fit`` measures both sets of options. (jaxlib 0.10.2: from 0.12
+# ``python -m bench.experiments.cpu_fit`` measures both sets of options. (jaxlib 0.10.2: from 0.12
 # XLA:CPU expands the barriers after scheduling, so recomputations survive without this
 # option too; docs/targets.md.)
 CPU_KEEP_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}

@@ -1,14 +1,17 @@
 """Random programs, their plans, and a count of those not bitwise equal to the plain step (CPU).
 
-``python -m bench.random_exactness N [--max] [--start S]`` draws programs ``S .. S+N-1``
-(:func:`random_program`: compositions of matmuls, elementwise ops, reductions, reshapes,
-broadcasts and residual branches under ``jax.grad``; ``--max`` adds max reductions), plans
-each with one of three modes (:func:`random_plan`: greedy at a random fraction of its
-simulated peak, every candidate re-issued in a random valid order, every candidate offloaded
-in a random valid order), runs the emitted and the plain step and prints each mismatch with
-its size in ulps of the largest output value, then the count. Case ``k`` draws everything
-from ``random.Random(k)``, so a run repeats exactly. ``tests/test_emit.py`` draws its
-hypothesis examples from the same generator and plans.
+``python -m tests.random_programs N [--max] [--start S]`` (run from the repository root)
+draws programs ``S .. S+N-1`` (:func:`random_program`: compositions of matmuls,
+elementwise ops, reductions, reshapes, broadcasts and residual branches under ``jax.grad``;
+``--max`` adds max reductions), plans each with one of three modes (:func:`random_plan`:
+greedy at a random fraction of its simulated peak, every candidate re-issued in a random
+valid order, every candidate offloaded in a random valid order), runs the emitted and the
+plain step and prints each mismatch with its size in ulps of the largest output value, then
+the count. Case ``k`` draws everything from ``random.Random(k)``, so a run repeats exactly.
+``tests/test_exactness_property.py`` draws its hypothesis examples from the same generator
+and plans; ``tests/test_emit.py`` and ``tests/test_principles.py`` build steps with it
+(``from random_programs import ...``, as the tests import ``steps``), and so does the
+experiment ``python -m bench.experiments.cpu_fit``.
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ def ulps_off(k: int, with_max: bool) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.random_exactness",
+    parser = argparse.ArgumentParser(prog="python -m tests.random_programs",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("n", type=int, help="how many programs")
     parser.add_argument("--max", action="store_true", help="also draw max reductions")

@@ -3,7 +3,7 @@
 XLA:CPU expands optimization barriers before its CSE and fusion passes, so any
 recomputation is merged back into the value it recomputes; the CPU target keeps
 the barriers for steps that need not be bitwise (``Config(bitwise=False)``).
-``python -m bench.cpu_fit`` measures the fit rate with and without them.
+``python -m bench.experiments.cpu_fit`` measures the fit rate with and without them.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from random_programs import random_order, random_program
 
 import jaxmem.models as zoo
-from bench.random_exactness import random_order, random_program
 from jaxmem import emit, targets
 from jaxmem.analysis import simulate
 from jaxmem.analysis.graph import analyse, build_graph
@@ -452,7 +452,8 @@ def test_weight_gradient_convolutions_are_off_the_main_chain():
 def test_a_weight_gradients_kept_input_is_read_through_a_barrier_on_the_main_chain():
     """A stage's kept input, last read by its first convolution's weight gradient, goes
     through a barrier with the main chain before that op, as JAX's remat reads a block's
-    residuals (VGG-16 at dots' peak: 7,415 -> 7,002 MiB compiled, BENCHMARKS §17)."""
+    residuals (VGG-16 at dots' peak: 7,415 -> 7,002 MiB compiled; docs/planners.md, "What the
+    emitter adds")."""
     from jaxmem.planners.blocks import blocks
 
     fn, args = _conv_stages()

@@ -1,6 +1,6 @@
 """The exactness property: trace -> plan -> emit on random programs keeps the plain step's bits.
 
-Programs, plans and orders come from :mod:`bench.random_exactness` (compositions of
+Programs, plans and orders come from ``tests/random_programs.py`` (compositions of
 matmuls, elementwise ops, reductions, reshapes, broadcasts, max reductions and residual
 branches under ``jax.grad``; plans by ``greedy`` at a random share of the simulated peak,
 or every candidate re-issued or offloaded, in a random valid order), all planned with the
@@ -33,8 +33,8 @@ import hypothesis.strategies as st
 import jax
 import numpy as np
 import pytest
+from random_programs import MODES, random_plan, random_program
 
-from bench.random_exactness import MODES, random_plan, random_program
 from jaxmem import emit
 from jaxmem.analysis.graph import analyse
 from jaxmem.tracing.trace import trace

@@ -71,7 +71,7 @@ def _peak(graph, plan=None) -> int:
 
 def _run(name, graph, budget, **options):
     """The planner's own plan: without the registry's rules, under which a step that fits
-    ``budget`` as written is returned unplanned (tests/test_no_needless_decisions.py)."""
+    ``budget`` as written is returned unplanned (tests/test_principles.py)."""
     planner = registry.get(name).fn.__wrapped__
     return planner(graph, budget, COST, {**FAST.get(name, {}), **options})
 
@@ -249,7 +249,7 @@ def test_fused_segments_are_exact_on_32_bit_steps_and_close_on_16_bit_ones(
     from jaxmem import emit as emit_lib
 
     # Without dropout: under bitwise=True the planners also leave dropout-masked values
-    # that a sum reads where the forward pass made them (tests/test_dropout_exact.py), so
+    # that a sum reads where the forward pass made them (tests/test_exactness_dropout.py), so
     # the two settings' plans would differ for that reason too.
     zs = zoo.build(model, "tiny", step="grad", dropout=0.0)
     g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,

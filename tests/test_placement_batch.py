@@ -1,4 +1,5 @@
-"""``python -m bench.placement_batch``: the batch/depth search and its per-mode accounting."""
+"""``python -m bench.experiments.placement_batch``: the batch/depth search and its per-mode
+accounting."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jaxmem.models as zoo
-from bench import placement_batch as pb
+from bench.experiments import placement_batch as pb
 
 
 @settings(max_examples=200, deadline=None)

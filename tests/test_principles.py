@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name
+from random_programs import random_program
 
 import jaxmem
-from bench.random_exactness import random_program
 from jaxmem import emit
 from jaxmem.analysis.graph import build_graph
 from jaxmem.cost.costmodel import CostModel

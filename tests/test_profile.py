@@ -246,7 +246,7 @@ def profiles(monkeypatch) -> list[int]:
 
 def test_a_sweep_profiles_once(profiles):
     params, x = _args(layers=2)
-    points = jaxmem.pareto(jax.grad(_mlp_loss), params, x, budgets=[0.9, 0.7],
+    points = jaxmem.pareto(jax.grad(_mlp_loss), params, x, fractions=[0.9, 0.7],
                            planners=["greedy", "sublinear"],
                            config=jaxmem.Config(target="cpu", op_times="profile",
                                                 on_over_budget="warn"))
@@ -276,9 +276,9 @@ def test_the_bench_passes_op_times_on():
 def test_the_op_times_bench_times_both_pricings_and_checks_bits(tmp_path, capsys):
     import json
 
-    from bench.op_times import main
+    from bench.experiments.op_times import main
 
-    assert main(["--models", "mlp", "--size", "tiny", "--planners", "greedy", "--budgets", "0.7",
+    assert main(["--models", "mlp", "--size", "tiny", "--planners", "greedy", "--fractions", "0.7",
                  "--repeats", "2", "--profile-repeats", "2", "--out", str(tmp_path)]) == 0
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [(r["planner"], r.get("op_times")) for r in rows] == [

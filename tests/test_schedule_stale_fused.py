@@ -87,7 +87,8 @@ def _vgg_step(masks: bool, target: str, monkeypatch):
 def test_a_relu_mask_read_by_a_bias_gradient_is_refreshed(monkeypatch):
     """Without the refresh the bias gradient's fusion reads the convolution's output twice
     (its old copy for the mask, the tied one for the recomputed ReLU): on vgg16 bench
-    ``keep_matmuls`` 66.3 GB moved against 64.4 with it (BENCHMARKS §13)."""
+    ``keep_matmuls`` 66.3 GB moved against 64.4 with it (docs/planners.md, "What the emitter
+    adds")."""
     h100 = targets.get("h100")
     # The refresh alone: the update ties (their own rule, tests/test_emit.py) move this tiny
     # heap by a few hundred bytes either way (291,820 B with the refresh, 291,564 without).

@@ -1,4 +1,5 @@
-"""Scanned blocks planned by jaxmem: ``python -m bench.blocks MODEL SIZE FRACTIONS [OUT.jsonl]``.
+"""Scanned blocks planned by jaxmem:
+``python -m bench.experiments.blocks MODEL SIZE FRACTIONS [OUT.jsonl]``.
 
 Builds the zoo's scan variant of ``MODEL`` with every block under
 ``jaxmem.planned_policy()`` (the zoo policy ``"jaxmem"``), measures the
@@ -12,7 +13,8 @@ Compare with the stock policies of the same variant:
 
 Example::
 
-    JAX_PLATFORMS=cpu python -m bench.blocks gpt2 bench 0.5,0.25,0.2,0.175,0.163 out.jsonl
+    JAX_PLATFORMS=cpu python -m bench.experiments.blocks \
+        gpt2 bench 0.5,0.25,0.2,0.175,0.163 out.jsonl
 """
 
 from __future__ import annotations

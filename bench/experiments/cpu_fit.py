@@ -14,8 +14,11 @@ step is run and compared with plain ``jax.jit`` (default options) bit for bit.
 The summary counts the runs that fit, those the simulator fits, and of those the
 ones that fit compiled::
 
-    JAX_PLATFORMS=cpu python -m bench.cpu_fit                 # 24 programs x 3 budgets x 2 planners
-    JAX_PLATFORMS=cpu python -m bench.cpu_fit --programs 6 --planners greedy
+    JAX_PLATFORMS=cpu python -m bench.experiments.cpu_fit     # 24 programs x 3 budgets x 2 planners
+    JAX_PLATFORMS=cpu python -m bench.experiments.cpu_fit --programs 6 --planners greedy
+
+The random programs are :mod:`tests.random_programs`' (the generator the exactness tests
+draw from), imported from ``tests/``: run from the repository root.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
-from bench import random_exactness
+from tests import random_programs
 
 # Budget fractions of the plain step's compiled bytes.
 FRACTIONS = (0.5, 0.7, 0.85)
@@ -64,7 +67,7 @@ def residual_mlp(layers: int, rows: int, width: int, seed: int = 0) -> Program:
 
 def random_program(spec: tuple[str, ...], rows: int, width: int, seed: int) -> Program:
     """Gradient of a loss over the composition ``spec`` (names from :data:`OPS`)."""
-    fn, args = random_exactness.random_program(list(spec), width, seed, rows=rows)
+    fn, args = random_programs.random_program(list(spec), width, seed, rows=rows)
     return Program(f"random-{seed}-{'.'.join(spec)}", fn, args)
 
 
@@ -159,8 +162,8 @@ def option_sets(which: str) -> dict[str, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cpu_fit", description=__doc__.split(
-        "\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.cpu_fit",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--programs", type=int, default=24, help="how many programs")
     parser.add_argument("--skip", type=int, default=0, help="leave out the first programs")
     parser.add_argument("--planners", default="greedy,cpsat")

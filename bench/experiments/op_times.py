@@ -1,6 +1,6 @@
 """Do measured op times pick faster plans? Roofline-priced against profiled plans, timed on the CPU.
 
-``python -m bench.op_times --models mlp,gpt2 --size small --budgets 0.7,0.5``
+``python -m bench.experiments.op_times --models mlp,gpt2 --size small --fractions 0.7,0.5``
 
 For each zoo train step (``small`` by default: a step a 2-core CPU runs in
 0.1-0.6 s) on the ``cpu`` target, the plain step is profiled once
@@ -43,11 +43,12 @@ class _Variant:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.op_times", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.experiments.op_times",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--models", default="mlp,gpt2,resnet50")
     p.add_argument("--size", default="small", choices=("tiny", "small"))
     p.add_argument("--planners", default=DEFAULT_PLANNERS)
-    p.add_argument("--budgets", default="0.7,0.5",
+    p.add_argument("--fractions", default="0.7,0.5",
                    help="fractions of the plain step's compiled peak on the CPU target")
     p.add_argument("--repeats", type=int, default=7, help="interleaved timed rounds")
     p.add_argument("--profile-repeats", type=int, default=5)
@@ -106,7 +107,7 @@ def _model(model: str, ns: argparse.Namespace) -> list[dict[str, Any]]:
     plain_bytes = device_bytes(plain)[0]
     variants = [_Variant("plain", plain, {"model": model, "planner": "none",
                                            "compiled_peak_bytes": plain_bytes})]
-    for fraction in (float(b) for b in ns.budgets.split(",")):
+    for fraction in (float(b) for b in ns.fractions.split(",")):
         budget = int(fraction * plain_bytes)
         for planner in ns.planners.split(","):
             decisions = {}

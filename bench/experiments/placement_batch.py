@@ -1,6 +1,6 @@
 """Largest batch with and without state placement; the ZeRO-Offload anchor.
 
-``python -m bench.placement_batch MODEL [--scan] [--modes none,opt_state] [--out DIR]``
+``python -m bench.experiments.placement_batch MODEL [--scan] [--modes none,opt_state] [--out DIR]``
 
 For each mode, batch sizes are searched (doubling from ``--start-batch``, then
 bisecting down to ``--resolution``) for the largest one whose
@@ -42,7 +42,8 @@ Use ``--scan`` for ``llama``: the unrolled step compiles several times slower,
 and the scan variant with jaxmem's planned blocks is the realistic
 configuration. Example (about 17 minutes on 2 cores)::
 
-    JAX_PLATFORMS=cpu python -m bench.placement_batch llama --scan --resolution 2 --out out/pb
+    JAX_PLATFORMS=cpu python -m bench.experiments.placement_batch \
+        llama --scan --resolution 2 --out out/pb
 """
 
 from __future__ import annotations
@@ -416,7 +417,7 @@ def table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.placement_batch",
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.placement_batch",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a zoo model (the anchor is llama only)")
     parser.add_argument("--scan", action="store_true", help="the nn.scan variant")

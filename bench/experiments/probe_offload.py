@@ -1,5 +1,5 @@
 """The compile-only H100 probe (docs/targets.md) planned with offload only:
-``python -m bench.probe_offload [BUDGET]``.
+``python -m bench.experiments.probe_offload [BUDGET]``.
 
 The 8-layer residual MLP (batch 8192, width 256, hidden 1024, f32), gradients of
 all parameters, planned by jaxmem with ``allow_remat=False`` for a compile-only

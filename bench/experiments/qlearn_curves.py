@@ -1,5 +1,5 @@
 """Q-learning reward per episode on zoo steps:
-``python -m bench.qlearn_curves OUT FRACTION MODEL...``.
+``python -m bench.experiments.qlearn_curves OUT FRACTION MODEL...``.
 
 Runs the ``qlearn`` planner (simulator + cost-model feedback, no compile) on the
 bench-size train step of each model at ``FRACTION`` of its simulated unplanned

@@ -17,7 +17,7 @@ LAYOUT_PRIMITIVES = frozenset({"transpose", "reshape", "squeeze", "expand_dims",
 # is rewritten across them, and walking past a ReLU made a re-issue tie its input,
 # the pre-activation sum of a residual block, which XLA then wrote in the forward
 # pass and read back to recompute the ReLU, next to the kept output (ResNet-50:
-# 4 GB more traffic per step, BENCHMARKS §15).
+# 4 GB more traffic per step; docs/planners.md, "What the emitter adds").
 _ONE_OPERAND_ARITHMETIC = frozenset({"neg", "mul", "div", "add", "sub", "integer_pow",
                                      "add_any", "abs"})
 
