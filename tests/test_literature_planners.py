@@ -566,3 +566,23 @@ def test_offloads_of_a_bf16_step_keep_its_bits(name):
     plain = jax.tree_util.tree_leaves(jax.jit(zs.fn)(*inputs))
     planned = jax.tree_util.tree_leaves(jax.jit(emit_lib.emit(g, plan))(*inputs))
     assert all(np.array_equal(a, b) for a, b in zip(plain, planned))
+
+
+def test_offloads_leave_a_matmul_folded_with_its_transpose():
+    """GPT-2's attention scores are a matmul's output whose only reader is a transpose,
+    which XLA's simplifier folds into the matmul; a copy to host beside it (of the scores
+    or of their transpose) changed every updated parameter. Offloading planners leave them
+    on the device, and vDNN's plan of the whole tiny train step keeps its bits on the CPU."""
+    zs = zoo.build("gpt2", "tiny", step="train")
+    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,
+                    arg_roles=zs.arg_roles, target="cpu")
+    folded = [t.id for t in g.tensors if t.producer is not None
+              and g.ops[t.producer].primitive == "dot_general" and len(t.consumers) == 1
+              and g.ops[t.consumers[0]].primitive == "transpose"]
+    assert folded and not any(plan_lib.copy_keeps_fusion(g, t) for t in folded)
+    plan = registry.get("vdnn_all").fn(g, _peak(g) // 2, CostModel.for_target("cpu"), {})
+    assert plan.offload and not set(plan.offload) & set(folded)
+    inputs = zs.make_args(seed=0)
+    plain = jax.tree_util.tree_leaves(jax.jit(zs.fn)(*inputs))
+    planned = jax.tree_util.tree_leaves(jax.jit(emit_lib.emit(g, plan))(*inputs))
+    assert all(np.array_equal(a, b) for a, b in zip(plain, planned))

@@ -94,6 +94,8 @@ MATERIALIZING_CONSUMERS = frozenset({
 # Matmuls XLA's GPU backend emits as GEMM fusions, and the operand producers those
 # fusions take in (a mixed-precision convert is read and converted inside the kernel).
 GEMMS = frozenset({"dot_general"})
+# The matrix products: matmuls and convolutions.
+MATMULS = frozenset({"dot_general", "conv_general_dilated"})
 GEMM_OPERAND_FUSIBLE = frozenset({"convert_element_type"})
 # Cheap to recompute: elementwise arithmetic without transcendentals, and layout ops.
 _TRANSCENDENTAL = frozenset({

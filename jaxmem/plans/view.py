@@ -339,11 +339,23 @@ def copy_keeps_fusion(graph: Any, tensor: int) -> bool:
     what it writes, so the norm's reduction reads it unrounded. A copy is a
     reader that cannot fuse it: XLA then computes it alone, rounded, for every
     reader (vDNN's offloads of the four sums changed llama tiny's loss).
+
+    Nor for a matmul's output whose only reader is a transpose: XLA's simplifier
+    folds the transpose into the matmul (another kernel), and a copy beside it
+    changes what is folded, whether it copies the output or its transpose (GPT-2
+    tiny's attention scores, ``(2, 4, 16, 16, 1)`` transposed to ``(2, 4, 1, 16,
+    16)``: vDNN's offload of them moved every updated parameter by up to 4e-5).
     """
     from jaxmem.analysis import materialize as mat
 
-    producer = graph.tensors[tensor].producer
-    # Item size 0: key arrays and tokens, no arithmetic to round.
-    if producer is None or not 0 < view(graph).itemsize[tensor] < 4:
+    t = graph.tensors[tensor]
+    if t.producer is None:
         return True
-    return graph.ops[producer].primitive not in mat.ELEMENTWISE
+    primitive = graph.ops[t.producer].primitive
+    if primitive in mat.MATMULS and len(t.consumers) == 1 \
+            and graph.ops[t.consumers[0]].primitive == "transpose":
+        return False
+    # Item size 0: key arrays and tokens, no arithmetic to round.
+    if not 0 < view(graph).itemsize[tensor] < 4:
+        return True
+    return primitive not in mat.ELEMENTWISE
