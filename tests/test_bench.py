@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 from typing import Any, Callable
 
 import jax
@@ -302,3 +304,32 @@ def test_markdown_by_budget_puts_budgets_in_columns_and_marks_the_fastest_fit():
     assert text[3] == "| m | a | 90 / 12 |"
     assert text[4] == "| m | b | **80 (+5 host) / 11** |"
     assert text[5] == "| m | c | infeasible |"
+
+
+### BENCHMARKS.md from records
+
+
+def test_the_benchmarks_page_is_what_the_committed_records_give():
+    """BENCHMARKS.md is generated (python -m bench.benchmarks): edited by hand, or left
+    behind by new records, it fails here."""
+    from bench import benchmarks
+
+    with open(os.path.join(benchmarks.ROOT, benchmarks.PAGE), encoding="utf-8") as source:
+        assert source.read() == benchmarks.page(), "run: python -m bench.benchmarks"
+
+
+def test_a_section_runs_its_script_and_prints_it_beside_its_records(tmp_path):
+    from bench import benchmarks
+
+    section = benchmarks.Section(
+        "probe", "A probe", "What it shows.", 'echo "ran in $OUT" > $OUT/output.txt',
+        benchmarks._render_text)
+    assert "No records" in benchmarks.page(str(tmp_path), [section])
+    benchmarks.run(section, root=str(tmp_path))
+    text = benchmarks.page(str(tmp_path), [section])
+    assert "## 1. A probe" in text and "What it shows." in text
+    assert 'echo "ran in $OUT" > $OUT/output.txt' in text  # the script as it ran
+    assert "ran in bench/records/probe" in text  # its output, from the records
+    assert "no GPU" in text and "jax " in text  # the machine and the versions
+    with pytest.raises(subprocess.CalledProcessError):  # a failing script is not recorded
+        benchmarks.run(dataclasses.replace(section, script="exit 3"), root=str(tmp_path))
