@@ -51,6 +51,7 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from jaxmem.analysis import materialize as mat
 from jaxmem.plans import plan as plan_lib
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def without_constant_decisions(graph: Any, plan: plan_lib.Plan, cost_model: Any
 # layout ops): see :func:`scaled_operands`.
 _PRODUCTS = frozenset({"mul", "div"})
 _SCALINGS = frozenset({"mul", "div", "neg"})
-_MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+_MATMULS = mat.MATMULS
 
 
 def scaled_operands(graph: Any, tensor: int, constant: frozenset[int] | None = None

@@ -48,6 +48,7 @@ import logging
 import time
 from typing import Any, Mapping
 
+from jaxmem.analysis import materialize as mat
 from jaxmem.analysis.graph import MemGraph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._registry import register
@@ -68,7 +69,7 @@ logger = logging.getLogger(__name__)
 NAME = "keep_matmuls"
 NO_BATCH = "keep_matmuls_no_batch"
 FIT = "keep_matmuls_fit"
-MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+MATMUL_PRIMITIVES = mat.MATMULS
 
 
 def keep_matmuls(graph: MemGraph, budget_bytes: int, cost_model: CostModel,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxmem.analysis import materialize as mat
 from jaxmem.plans import plan as plan_lib
 
 LAYOUT_PRIMITIVES = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim",
@@ -22,7 +23,7 @@ _ONE_OPERAND_ARITHMETIC = frozenset({"neg", "mul", "div", "add", "sub", "integer
                                      "add_any", "abs"})
 
 # Producers that absorb a transpose of their result (see _Interpreter._folds_layout).
-_LAYOUT_FOLDING = frozenset({"dot_general", "conv_general_dilated"})
+_LAYOUT_FOLDING = mat.MATMULS
 # Readers XLA's CPU backend may fold into a matmul as its output's addend.
 _ADDITIONS = frozenset({"add", "add_any", "sub"})
 

@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from jaxmem import _compat
-from jaxmem.analysis import simulate
+from jaxmem.analysis import materialize as mat, simulate
 
 # Primitives never re-issued: collectives and stateful / effectful operations
 # (recomputing them changes results or communicates twice).
@@ -261,8 +261,9 @@ def _itemsize(aval: Any) -> int:
     return 0 if dtype is None else _compat.itemsize(dtype)
 
 
-# Ops that carry a layer's gradient down the backward chain (and, off it, a weight gradient).
-CHAIN_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+# Ops that carry a layer's gradient down the backward chain (and, off it, a weight gradient):
+# the matmuls.
+CHAIN_PRIMITIVES = mat.MATMULS
 
 
 def branch_ops(v: View) -> frozenset[int]:
@@ -306,8 +307,6 @@ def remat_keeps_fusion(graph: Any, tensor: int, point: int,
     copy keeps the first copy a buffer and the prefetch is one.
     A reduction whose inputs are fused is never re-issued for the same reason.
     """
-    from jaxmem.analysis import materialize as mat
-
     t = graph.tensors[tensor]
     if t.producer is None:
         return True
@@ -346,8 +345,6 @@ def copy_keeps_fusion(graph: Any, tensor: int) -> bool:
     tiny's attention scores, ``(2, 4, 16, 16, 1)`` transposed to ``(2, 4, 1, 16,
     16)``: vDNN's offload of them moved every updated parameter by up to 4e-5).
     """
-    from jaxmem.analysis import materialize as mat
-
     t = graph.tensors[tensor]
     if t.producer is None:
         return True
