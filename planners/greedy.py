@@ -44,7 +44,7 @@ from typing import Any, Mapping
 
 from jaxmem.planners._principles import constant_tensors
 from jaxmem.planners._registry import register
-from jaxmem.planners._shared import check_options
+from jaxmem.planners._shared import check_options, estimate_time_s
 from jaxmem.plans import placement as placement_lib, plan as plan_lib
 from jaxmem.targets import DEFAULT_HOST_BUDGET_BYTES
 
@@ -195,14 +195,6 @@ def _without_needless(graph: Any, decisions: _Decisions, sim: Any, budget_bytes:
     return decisions, sim, True
 
 
-def _step_time_s(graph: Any, cost_model: Any, decisions: _Decisions,
-                 by_tensor: Mapping[int, Candidate]) -> float:
-    base = sum(cost_model.graph_op_time_s(graph, op.id, "float32") for op in graph.ops)
-    extra = sum(by_tensor[t].remat_s or 0.0 for t in decisions.remat)
-    extra += sum(by_tensor[t].offload_s or 0.0 for t in decisions.offload)
-    return base + extra
-
-
 def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
                 options: Mapping[str, Any]) -> plan_lib.Plan:
     """Split the largest buffers alive at the simulated peak until it fits ``budget_bytes``.
@@ -304,12 +296,11 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
         notes.append("remat disabled")
     if not allow_offload:
         notes.append("offload disabled")
-    return decisions.plan(
+    plan = decisions.plan(
         budget_bytes, status=status, solve_time_s=time.perf_counter() - start,
         notes=tuple(notes)).replace(
-        placement=placed, host_update=host_update, predicted_peak_bytes=sim.peak_bytes,
-        predicted_time_s=_step_time_s(graph, cost_model, decisions, pool)
-        + placement_lib.update_time_s(graph, cost_model, list(placed), host_update))
+        placement=placed, host_update=host_update, predicted_peak_bytes=sim.peak_bytes)
+    return plan.replace(predicted_time_s=estimate_time_s(graph, plan, cost_model))
 
 
 def place_state(graph: Any, plan: plan_lib.Plan, budget_bytes: int, host_left: int,
