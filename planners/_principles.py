@@ -52,6 +52,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from jaxmem.analysis import materialize as mat
+from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.plans import plan as plan_lib
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,6 @@ def fits_as_written(graph: Any, name: str, budget_bytes: int, cost_model: Any,
             memo[key] = peak
     if peak > budget_bytes:
         return None
-    from jaxmem.planners._shared import estimate_time_s
 
     logger.info("%s: the step as written fits (%d B simulated, budget %d B); no decisions",
                 name, peak, budget_bytes)
@@ -107,7 +107,6 @@ def without_constant_decisions(graph: Any, plan: plan_lib.Plan, cost_model: Any
     dropped = sorted((set(plan.offload) & constant) | buffers)
     if not dropped:
         return plan
-    from jaxmem.planners._shared import estimate_time_s
 
     kept = plan.replace(offload={t: p for t, p in plan.offload.items() if t not in constant},
                         remat={t: p for t, p in plan.remat.items() if t not in buffers})

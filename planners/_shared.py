@@ -20,8 +20,9 @@ from typing import Any, Iterable, Mapping
 
 from jaxmem.analysis.graph import MemGraph
 from jaxmem.cost.costmodel import CostModel
+from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners._registry import COMMON_OPTIONS
-from jaxmem.plans import placement as placement_lib, plan as plan_lib
+from jaxmem.plans import plan as plan_lib
 from jaxmem.plans.view import REDUCTIONS
 
 logger = logging.getLogger(__name__)
@@ -248,48 +249,6 @@ def remat_points(graph: MemGraph, res: Residuals, remat: Iterable[int],
             elif u in offload and res.pos[offload[u]] > point[s]:
                 offload[u] = res.order[point[s]]
     return {t: (res.order[p],) for t, p in sorted(point.items())}, offload
-
-
-def estimate_time_s(graph: MemGraph, plan: plan_lib.Plan, cost_model: CostModel) -> float:
-    """Estimated step time of ``plan``: its events on one compute stream and two copy streams.
-
-    Ops and re-issues run one after another at roofline speed (fused re-issues
-    are free: XLA recomputes fused values inside their readers anyway). A
-    device-to-host copy starts when its tensor is made, a prefetch where the
-    plan puts it (after its host copy is done); each direction of the link
-    copies one tensor at a time; an op waits for the prefetched values it reads. State
-    the plan places on pinned host adds its link and host-update time
-    (:func:`jaxmem.plans.placement.update_time_s`).
-    """
-    placed = [t for t, where in plan.placement.items() if where == "pinned_host"]
-    if placed:
-        bare = plan.replace(placement={}, host_update=())
-        return (estimate_time_s(graph, bare, cost_model)
-                + placement_lib.update_time_s(graph, cost_model, placed, plan.host_update))
-    sched = plan_lib.build_schedule(graph, plan)
-    clock = 0.0
-    link = {"d2h": 0.0, "h2d": 0.0}
-    ready: dict[int, float] = {}
-    on_host: dict[int, float] = {}
-    for ev in sched.events:
-        wait = max([clock] + [ready.get(r, 0.0) for r in ev.reads if r is not None])
-        if ev.kind in ("op", "remat"):
-            clock = wait + cost_model.graph_op_time_s(graph, ev.op)  # type: ignore[arg-type]
-        elif ev.kind == "fused":
-            for w in ev.writes:
-                if w is not None:
-                    ready[w] = wait
-        elif ev.kind == "offload":
-            t = ev.tensors[0]
-            start = max(clock, link["d2h"])
-            link["d2h"] = on_host[t] = start + cost_model.copy_time_s(
-                graph.tensors[t].bytes, "d2h")
-        elif ev.kind == "prefetch":
-            t = ev.tensors[0]
-            start = max(clock, link["h2d"], on_host.get(t, 0.0))
-            link["h2d"] = start + cost_model.copy_time_s(graph.tensors[t].bytes, "h2d")
-            ready[ev.writes[0]] = link["h2d"]  # type: ignore[index]
-    return max(clock, *link.values())
 
 
 def finish(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *, planner: str,

@@ -128,9 +128,9 @@ from jaxmem.planners import _cpsat_model
 from jaxmem.planners._cpsat_hint import repair
 from jaxmem.planners._cpsat_model import MIN_SOLVE_S as _MIN_SOLVE_S
 from jaxmem.planners._cpsat_problem import Evaluation, Schedule, evaluate
+from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners._principles import without_constant_decisions
 from jaxmem.planners._registry import get, register
-from jaxmem.planners._shared import estimate_time_s
 from jaxmem.planners.blocks import SAVE
 from jaxmem.planners.coarsen import Coarsening, coarsen, plan_schedule, schedule_fields
 from jaxmem.planners.greedy import place_state

@@ -42,9 +42,10 @@ import logging
 import time
 from typing import Any, Mapping
 
+from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners._principles import constant_tensors
 from jaxmem.planners._registry import register
-from jaxmem.planners._shared import check_options, estimate_time_s
+from jaxmem.planners._shared import check_options
 from jaxmem.plans import placement as placement_lib, plan as plan_lib
 from jaxmem.targets import DEFAULT_HOST_BUDGET_BYTES
 

@@ -29,7 +29,7 @@ from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners import _cpsat_model as model, get, names
 from jaxmem.planners._cpsat_hint import repair
 from jaxmem.planners._cpsat_problem import Item, Node, Problem, Schedule, evaluate
-from jaxmem.planners._shared import estimate_time_s
+from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners.coarsen import coarsen
 from jaxmem.planners.cpsat import plan_cpsat
 from jaxmem.plans import plan as plan_lib

@@ -17,7 +17,7 @@ from jaxmem import models
 from jaxmem.analysis.graph import build_graph
 from jaxmem.cost import profile
 from jaxmem.cost.costmodel import CostModel
-from jaxmem.planners._shared import estimate_time_s
+from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.plans.plan import unplanned
 
 US = 1e-6

@@ -1,15 +1,14 @@
 """The ILP of ``order_ilp``: the operation order that minimises the peak, as one CP-SAT model
-over time windows (:func:`solve_ilp`; the problem is :class:`~.order.OrderProblem`)."""
+over time windows (:func:`solve_ilp`; the problem is :class:`~._order_problem.OrderProblem`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
-if TYPE_CHECKING:  # (order imports this module)
-    from jaxmem.planners.literature.order import OrderProblem
+from jaxmem.planners.literature._order_problem import OrderProblem
 
 
 @dataclasses.dataclass(frozen=True)

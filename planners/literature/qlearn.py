@@ -56,8 +56,9 @@ import jax
 
 from jaxmem.analysis.graph import MemGraph
 from jaxmem.cost.costmodel import CostModel
+from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners._registry import register
-from jaxmem.planners._shared import check_options, estimate_time_s, find_residuals, finish
+from jaxmem.planners._shared import check_options, find_residuals, finish
 from jaxmem.planners.literature.vdnn import vdnn_decisions
 from jaxmem.plans import plan as plan_lib
 
