@@ -270,14 +270,14 @@ def test_plan_blocks_meets_the_budget_when_compiled():
                                    "out_proj", *QKV}
     assert plan.recompute_flops <= poor.recompute_flops
     with policy.use_decisions(plan.decisions):
-        compiled = measure(planned, params, batch)
+        compiled = measure(planned, params, batch, target="h100")
     assert compiled.device_bytes == plan.compiled_peak_bytes <= budget
     # to_policy applied by hand (a plain jax.checkpoint policy) compiles to the same peak.
     by_hand, custom = plan.to_policy()
     assert set(custom.values()) <= {"device", "offload", "remat"}
     manual = _ManualGPT2(gpt2.CONFIGS["tiny"], by_hand.as_jax_policy())
-    assert measure(functools.partial(_grad_step, manual), params, batch).device_bytes == \
-        compiled.device_bytes
+    assert measure(functools.partial(_grad_step, manual), params, batch,
+                   target="h100").device_bytes == compiled.device_bytes
 
 
 class _ManualGPT2(_PlannedGPT2):
