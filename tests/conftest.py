@@ -32,6 +32,9 @@ CPU_REMAT_BYTES = ("XLA:CPU 0.12 keeps recomputations under the exact compiler o
 # The relaxed (bitwise=False) sublinear plans of tests/test_bitwise_auto.py's bf16 stack compile
 # higher than its bit-exact ones for h100 under XLA 0.12 (lowest 6,325,116 B against
 # 5,817,980 B; under 0.10.2 2,658,460 B against 2,943,444 B), so no budget lies between them.
+CPU_OFFLOAD_BITS = ("on XLA:CPU 0.12 the offloads vDNN plans on the tiny GPT-2 train step change "
+                    "its bits (on 0.10.2 they keep them); cause not established: host copies "
+                    "are tied with the barriers that 0.12 expands after scheduling")
 RELAXED_BF16 = ("on XLA 0.12 the relaxed plans of this bf16 step compile higher for h100 than "
                 "its bit-exact ones (6,325,116 B against 5,817,980 B): no budget between")
 # jaxmem.cost.hlo's byte count of a scan on h100 differs from XLA's cost analysis on 0.12.
@@ -68,6 +71,9 @@ KNOWN_ON_CURRENT_JAX = {
     ],
     SCAN_BYTES: [
         "tests/test_measure.py::test_totals_match_xla_cost_analysis[scan-h100]",
+    ],
+    CPU_OFFLOAD_BITS: [
+        "tests/test_literature_planners.py::test_offloads_leave_a_matmul_folded_with_its_transpose",
     ],
     RELAXED_BF16: [
         "tests/test_bitwise_auto.py::test_auto_plans_a_16_bit_step_that_no_exact_plan_fits_",
