@@ -26,8 +26,9 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+import jaxmem.planners as registry
 from bench import acceptance, markdown
-from bench.environment import commit, machine, now, versions
+from bench.environment import now, write_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDS = os.path.join("bench", "records")
@@ -35,8 +36,7 @@ PAGE = "BENCHMARKS.md"
 
 Record = dict[str, Any]
 
-PEERS = ("none,full,dots,dots_no_batch,offload_dots_no_batch,minimal,save_qkv_proj,"
-         "save_dot_except_mlpwi,qkv_proj_offloaded,minimal_offloaded")
+PEERS = ",".join(registry.peers())
 LITERATURE = ("greedy,sublinear,chen,vdnn_all,vdnn_conv,vdnn_dynamic,qlearn,order_ilp,order_bfs,"
               "order_dfs")
 SWEPT = ("mlp", "vgg16", "resnet50", "unet", "gpt2", "llama")
@@ -164,12 +164,10 @@ unplanned step's compiled peak.
 """
 
 
-def _provenance(folder: str) -> str:
-    path = os.path.join(folder, "run.json")
-    if not os.path.exists(path):
+def _provenance(run: dict[str, Any] | None) -> str:
+    """When, where and with what a section's records were made (its run.json)."""
+    if run is None:
         return "*No records: run `python -m bench.benchmarks --run` for this section.*"
-    with open(path, encoding="utf-8") as source:
-        run = json.load(source)
     ver = run["versions"]
     where = run["machine"]
     gpu = [d for d in where["devices"] if d.lower() != "cpu"]
@@ -185,15 +183,15 @@ def page(root: str = ROOT, sections: Sequence[Section] = SECTIONS) -> str:
     parts = [_HEADER]
     for number, section in enumerate(sections, 1):
         folder = os.path.join(RECORDS, section.key)
-        info = os.path.join(root, folder, "run.json")
-        script = section.script
-        if os.path.exists(info):
-            with open(info, encoding="utf-8") as source:
-                script = json.load(source).get("script", script)
+        path = os.path.join(root, folder, "run.json")
+        run = None
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as source:
+                run = json.load(source)
+        script = section.script if run is None else run.get("script", section.script)
         parts += [f"## {number}. {section.title}", section.about,
-                  "```bash\nOUT=" + folder + "\n" + script + "\n```",
-                  _provenance(os.path.join(root, folder))]
-        if os.path.exists(info):
+                  "```bash\nOUT=" + folder + "\n" + script + "\n```", _provenance(run)]
+        if run is not None:
             parts.append(section.render(root, folder))
     return "\n\n".join(p.rstrip() for p in parts) + "\n"
 
@@ -209,13 +207,8 @@ def run(section: Section, root: str = ROOT) -> None:
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     subprocess.run(["bash", "-euo", "pipefail", "-c", section.script], cwd=root, env=env,
                    check=True)
-    info = {"script": section.script, "started": started,
-            "wall_s": round(time.monotonic() - clock, 1), "commit": commit(root),
-            "versions": versions(),
-            "machine": machine()}
-    with open(os.path.join(root, folder, "run.json"), "w", encoding="utf-8") as sink:
-        json.dump(info, sink, indent=1)
-        sink.write("\n")
+    write_run(os.path.join(root, folder), started, time.monotonic() - clock, root=root,
+              script=section.script)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

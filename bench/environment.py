@@ -56,12 +56,17 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def write_run(out: str, argv: Sequence[str], started: str, wall_s: float,
-              module: str = "bench") -> str:
-    """Write ``OUT/run.json`` for one run of ``python -m MODULE ARGV``; returns its path."""
-    info = {"command": shlex.join(["python", "-m", module, *argv]), "started": started,
-            "wall_s": round(wall_s, 1), "commit": commit(), "versions": versions(),
-            "machine": machine()}
+def command(argv: Sequence[str], module: str = "bench") -> str:
+    """``python -m MODULE ARGV`` as a shell line."""
+    return shlex.join(["python", "-m", module, *argv])
+
+
+def write_run(out: str, started: str, wall_s: float, root: str = ".", **what: str) -> str:
+    """Write ``OUT/run.json``: ``what`` made the records (``command=`` or ``script=``), when,
+    for how long, at which commit of ``root``, with which versions, on which machine;
+    returns its path."""
+    info = {**what, "started": started, "wall_s": round(wall_s, 1), "commit": commit(root),
+            "versions": versions(), "machine": machine()}
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "run.json")
     with open(path, "w", encoding="utf-8") as sink:
