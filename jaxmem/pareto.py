@@ -30,7 +30,6 @@ the failed budget and the last fitted one.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import numbers
 import time
@@ -70,7 +69,7 @@ _BAD_MIN = ("pareto(min_fraction={value!r}): the sweep's floor is a fraction of 
             "step's compiled bytes in [0, 1) (e.g. 0.05)")
 
 
-class PointStatus(str, enum.Enum):
+class PointStatus(plan_lib.StrEnum):
     """How one point of a sweep ended. A ``str``: ``point.status == "ok"`` holds.
 
     ``OK``: compiled within the budget. ``OVER_BUDGET``: no plan fitted and the
@@ -86,12 +85,6 @@ class PointStatus(str, enum.Enum):
     INFEASIBLE = "infeasible"
     FALLBACK = "fallback"
     ERROR = "error"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __repr__(self) -> str:
-        return repr(self.value)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,18 @@ BOUND_UNITS: tuple[str, ...] = ("bytes", "s")
 
 
 
-class Status(str, enum.Enum):
+class StrEnum(str, enum.Enum):
+    """An enum whose members are their string values: equal to them, printed and shown as them
+    (``Status.OK == "ok"``, ``repr(Status.OK) == "'ok'"``), so records and JSON stay strings."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Status(StrEnum):
     """Where a plan stands against its budget. A ``str``: ``plan.status == "ok"`` holds.
 
     ``OK``: within the budget (simulated; once verified, as compiled). ``OVER_BUDGET``:
@@ -63,12 +74,6 @@ class Status(str, enum.Enum):
     INFEASIBLE = "infeasible"
     TIMEOUT = "timeout"
     FALLBACK = "fallback"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __repr__(self) -> str:
-        return repr(self.value)
 
 
 STATUSES: tuple[str, ...] = tuple(s.value for s in Status)
