@@ -24,8 +24,7 @@ Public surface (everything else is internal and may change):
 
 # First: imports JAX without the CUDA plugin's start-up noise on CPU-only machines.
 from jaxmem import _startup as _startup, targets as targets
-from jaxmem.analysis.explain import explain as explain
-from jaxmem.analysis.simulate import predict_peak_bytes as predict_peak_bytes
+from jaxmem.analysis.explain import explain as explain, predict_peak_bytes as predict_peak_bytes
 from jaxmem.config import Config as Config
 from jaxmem.cost import profile as profile
 from jaxmem.cost.measure import Report as Report, measure as measure

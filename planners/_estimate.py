@@ -7,7 +7,7 @@ registry applies, can use it without importing the registry back.
 
 from __future__ import annotations
 
-from jaxmem.analysis.graph import MemGraph
+from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.plans import placement as placement_lib, plan as plan_lib
 

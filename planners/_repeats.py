@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxmem.analysis.graph import MemGraph
+from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.planners.matmuls import MATMUL_PRIMITIVES
 
 # The fewest ops a repeated block may have.

@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Any, Iterable, Mapping
 
-from jaxmem.analysis.graph import MemGraph
+from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners._registry import COMMON_OPTIONS

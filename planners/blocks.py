@@ -62,7 +62,7 @@ import logging
 import time
 from typing import Any, Mapping, Sequence
 
-from jaxmem.analysis.graph import MemGraph
+from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._registry import register
 from jaxmem.planners._repeats import MIN_OPS, repeated_blocks

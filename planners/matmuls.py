@@ -49,7 +49,7 @@ import time
 from typing import Any, Mapping
 
 from jaxmem.analysis import materialize as mat
-from jaxmem.analysis.graph import MemGraph
+from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._registry import register
 from jaxmem.planners._shared import (

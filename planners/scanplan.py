@@ -50,7 +50,8 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from jaxmem.analysis import scan as _scan
-from jaxmem.analysis.graph import MemGraph, analyse
+from jaxmem.analysis.graph import analyse
+from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.analysis.simulate import simulate
 from jaxmem.cost.blockcost import eqns_flops, forward_names, scan_bodies
 from jaxmem.cost.costmodel import CostModel

@@ -239,7 +239,7 @@ def test_explain_names_the_tensors_at_the_peak():
 
 
 def test_predict_peak_bytes_matches_the_simulation():
-    from jaxmem.analysis.simulate import predict_peak_bytes
+    from jaxmem.analysis.explain import predict_peak_bytes
 
     def chain(x, w):
         return ((x @ w) @ w) @ w

@@ -1,12 +1,10 @@
-"""The memory graph: every tensor of a traced step, its size, role and lifetime.
+"""Build the memory graph of a traced step: every tensor's size, role and lifetime.
 
 :func:`analyse` turns a flat :class:`~jaxmem.tracing.trace.Program` into a
-:class:`MemGraph`: one :class:`Tensor` per jaxpr variable (bytes per device,
-role, producer, consumers, whether XLA really allocates it) and one :class:`Op`
-per equation (FLOPs, bytes moved, phase, whether it is cheap to recompute).
-Tensor ids: the flat inputs first (``0 .. n_in - 1``), then each equation's
-outputs in equation order, then closed-over constants. Op ids are equation
-indices.
+:class:`~jaxmem.analysis.memgraph.MemGraph` (its tensors, ops and ids:
+:mod:`jaxmem.analysis.memgraph`): sizes from the materialization model,
+FLOPs and bytes moved from the op costs, the scratch memory of loop bodies
+from the simulator.
 
 Fused values (see :mod:`jaxmem.analysis.materialize`) are kept as tensors, with
 ``materialized=False``: planners reason about the buffers; an op's
@@ -25,13 +23,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from jax.extend import core as jcore
 from jax.tree_util import tree_structure
 
 from jaxmem import _compat
 from jaxmem.analysis import materialize as mat, opcost, sharding as sharding_lib
+from jaxmem.analysis.memgraph import MemGraph, Op, Tensor, TensorRole
+from jaxmem.analysis.simulate import simulate_steps, steps_for_order
 from jaxmem.tracing.trace import (
     Phase,
     Program,
@@ -42,126 +42,6 @@ from jaxmem.tracing.trace import (
 )
 
 logger = logging.getLogger(__name__)
-
-# "param", "opt_state", "batch", "state", "other", "activation", "residual", "gradient",
-# "update", "temp", "const"
-TensorRole = str
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-    """One jaxpr value.
-
-    Attributes:
-      id: the tensor id (see the module docstring).
-      bytes: bytes on each device (a shard's bytes under a sharding); 0 for host values.
-      role: param, opt_state, batch, state, other (inputs); activation, residual
-        (forward values the backward reads, directly or through fused values),
-        gradient, update, temp (never read), const.
-      producer: the op that produces it; None for inputs and constants.
-      consumers: ops that read it directly, in op order.
-      materialized: XLA allocates a buffer for it (False: fused away, or a view).
-      name: its ``checkpoint_name``, if any.
-      source: the user's source line and module path of its producer.
-      shape, dtype: its abstract value.
-      alias_of: for a view (reshape, ``name``, ...), the tensor whose buffer it shares.
-      host_bytes: bytes in host memory (offloaded values); 0 on the device.
-      first_use / last_use: op ids of the producer (-1 for inputs) and of the last
-        op reading it in the jaxpr order (-1 if never read); for a buffer, ops
-        reading values fused from it count as readers.
-      extra_bytes: bytes XLA allocates beside this buffer for as long as it lives
-        and that no jaxpr value names (see ``jaxmem.analysis.materialize.companion_bytes``);
-        the simulator adds them to ``bytes``.
-    """
-
-    id: int
-    bytes: int
-    role: TensorRole
-    producer: int | None
-    consumers: tuple[int, ...]
-    materialized: bool
-    name: str | None
-    source: str
-    shape: tuple[int, ...]
-    dtype: Any
-    alias_of: int | None = None
-    host_bytes: int = 0
-    first_use: int = -1
-    last_use: int = -1
-    extra_bytes: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Op:
-    """One equation.
-
-    Attributes:
-      id: the equation index.
-      primitive: its primitive's name.
-      inputs / outputs: tensor ids (literals and dropped outputs left out).
-      flops: floating-point operations (loop bodies times their trip count).
-      bytes_accessed: bytes of buffers read and written (fused values move no bytes).
-      phase: forward, backward or update.
-      cheap: cheap to recompute (elementwise without transcendentals, layout ops).
-      source: the user's source line and module path.
-      mem_inputs: the buffers the op really reads (fused inputs replaced by their sources).
-      transient_bytes: scratch memory alive only while the op runs (loop bodies).
-      recomputable: False for collectives and effects (never re-issued).
-      inplace: (output, input) pairs where the output may take the input's
-        buffer when the input dies at this op (elementwise, same size).
-    """
-
-    id: int
-    primitive: str
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    flops: float
-    bytes_accessed: float
-    phase: str
-    cheap: bool
-    source: str
-    mem_inputs: tuple[int, ...] = ()
-    transient_bytes: int = 0
-    recomputable: bool = True
-    inplace: tuple[tuple[int, int], ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class MemGraph:
-    """Tensors and ops of a traced step (see the module docstring for ids)."""
-
-    program: Program
-    tensors: tuple[Tensor, ...]
-    ops: tuple[Op, ...]
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    var_to_tensor: Mapping[Any, int]
-    target: str = "h100"
-
-    def topo_order(self) -> tuple[int, ...]:
-        """The jaxpr order of the ops (a valid topological order)."""
-        return tuple(range(len(self.ops)))
-
-    def buffer(self, tensor: int) -> int | None:
-        """The buffer that holds ``tensor``: itself, the buffer it views, or None if fused."""
-        t = self.tensors[tensor]
-        if t.materialized:
-            return tensor
-        return t.alias_of
-
-    @property
-    def materialized_bytes(self) -> int:
-        """Total device bytes of all buffers (an upper bound on any schedule's peak)."""
-        return sum(t.bytes for t in self.tensors if t.materialized)
-
-    def summary(self) -> str:
-        """One line: counts and sizes."""
-        n_mat = sum(t.materialized for t in self.tensors)
-        return (f"MemGraph: {len(self.ops)} ops, {len(self.tensors)} tensors "
-                f"({n_mat} buffers, {self.materialized_bytes / 2**20:.1f} MiB in all)")
-
-
-### Building
 
 
 def _nbytes(aval: Any, sharding: Any = None) -> int:
@@ -321,8 +201,6 @@ def _scratch_bytes(eqn: Any, target: str) -> int:
         bodies = list(eqn.params["branches"])
     else:
         return 0
-    from jaxmem.analysis.simulate import simulate_steps, steps_for_order  # simulate imports graph
-
     peak = 0
     for closed in bodies:
         flattened = flatten_with_barriers(closed)

@@ -4,7 +4,7 @@ A ``lax.scan`` (or ``nn.scan``) over layers is one equation of the traced
 step, but inside it each iteration produces per-iteration values, and those
 the backward pass reads leave the forward scan *stacked*: one slice per
 iteration, alive from the forward pass to the backward scan that reads them.
-:func:`analyse_scans` lists, for every scan of a :class:`~jaxmem.analysis.graph.MemGraph`,
+:func:`analyse_scans` lists, for every scan of a :class:`~jaxmem.analysis.memgraph.MemGraph`,
 its trip count, its stacked residuals (per-iteration and stacked bytes, the
 ``checkpoint_name`` and source line of each), the backward scan that reads them
 and the peak of the buffers inside one iteration of the forward and of the
@@ -29,7 +29,7 @@ from typing import Any
 from jax.extend import core as jcore
 
 from jaxmem import _compat
-from jaxmem.analysis.graph import MemGraph
+from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.tracing.trace import describe_source, flatten
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ flows through elementwise ops, matmuls and reductions; FSDP: a sharded
 parameter's spec reaches its update). A value it cannot follow is counted
 replicated: whole on every device, an upper bound, so a plan made on these
 sizes is never optimistic. :func:`per_device_bytes` turns the specs into the
-shard sizes the :class:`~jaxmem.analysis.graph.MemGraph` carries.
+shard sizes the :class:`~jaxmem.analysis.memgraph.MemGraph` carries.
 
 Collectives and sharding annotations are *communicating* primitives: re-issuing
 one would communicate twice (or re-shard a value the partitioner already

@@ -19,7 +19,7 @@ Sizes follow XLA's accounting by default (:func:`xla_accounting`): arguments
 and outputs hold their buffers for the whole step, temporaries share a heap
 aligned to 256 bytes (:func:`buffer_sizes`); the peak is then the figure to
 compare with temp + argument + output - alias of ``memory_analysis()``
-(:func:`predict_peak_bytes`).
+(:func:`jaxmem.analysis.explain.predict_peak_bytes`).
 
 >>> import jax.numpy as jnp
 >>> from jaxmem.analysis.graph import build_graph
@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+from typing import Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 
-from jaxmem.analysis.graph import MemGraph
+from jaxmem.analysis.memgraph import MemGraph
 
 Accounting = Literal["xla", "liveness"]
 
@@ -396,43 +396,6 @@ def _release(free_off: list[int], free_size: dict[int, int], off: int, size: int
 
 
 ### For the bench
-
-
-def predict_peak_bytes(step_fn: Callable[..., Any], *args: Any, target: Any = "auto",
-                       donate_argnums: Sequence[int] | int = (),
-                       static_argnums: Sequence[int] | int = (),
-                       arg_roles: Sequence[Any] | None = None,
-                       estimate: Literal["liveness", "allocator"] = "liveness",
-                       **kwargs: Any) -> int:
-    """Predicted device bytes of ``step_fn`` as XLA would compile it for ``target``.
-
-    Traces the step, builds its graph and simulates the jaxpr order with XLA's
-    accounting of arguments and outputs: the figure to compare with
-    temp + argument + output - alias of ``memory_analysis()``.
-
-    Args:
-      step_fn: the train step.
-      *args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
-      target: a target name or :class:`jaxmem.targets.Target`; ``"auto"`` (the default):
-        the device the arguments live on (:func:`jaxmem.targets.resolve`).
-      donate_argnums, static_argnums, arg_roles: as for :func:`jaxmem.tracing.trace.trace`.
-      estimate: ``"liveness"`` (sum of live buffers) or ``"allocator"`` (best-fit heap).
-      **kwargs: keyword arguments of the step.
-
-    >>> import jax.numpy as jnp
-    >>> predict_peak_bytes(lambda x: x @ x, jnp.ones((256, 256)), target="h100")
-    524288
-    """
-    from jaxmem.analysis.graph import analyse
-    from jaxmem.targets import resolve
-    from jaxmem.tracing.trace import trace
-
-    if estimate not in ("liveness", "allocator"):
-        raise ValueError(f"estimate={estimate!r}; allowed: 'liveness', 'allocator'.")
-    program = trace(step_fn, *args, static_argnums=static_argnums,
-                    donate_argnums=donate_argnums, arg_roles=arg_roles, **kwargs)
-    result = simulate(analyse(program, resolve(target, args).name))
-    return result.peak_bytes if estimate == "liveness" else result.allocator_peak_bytes
 
 
 def _packed(events: Sequence[tuple[str, int, int, int]], n_steps: int) -> int:

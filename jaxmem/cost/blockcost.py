@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 from jax.extend import core as jcore
 
 from jaxmem.analysis import opcost, scan as _scan
-from jaxmem.analysis.graph import MemGraph
+from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.tracing.trace import Program, describe_source, flatten
 
 logger = logging.getLogger(__name__)

@@ -86,7 +86,7 @@ _WRONG_GRAPH = (
 
 @dataclasses.dataclass(frozen=True)
 class OpTimes:
-    """The measured time of each op of a :class:`~jaxmem.analysis.graph.MemGraph`.
+    """The measured time of each op of a :class:`~jaxmem.analysis.memgraph.MemGraph`.
 
     Attributes:
       times_s: seconds per op id (equation index); 0 for an op no executed

@@ -1,6 +1,6 @@
 """The plan: what a planner decides and the emitter carries out.
 
-A :class:`Plan` names ops and tensors by the ids of the :class:`~jaxmem.analysis.graph.MemGraph`
+A :class:`Plan` names ops and tensors by the ids of the :class:`~jaxmem.analysis.memgraph.MemGraph`
 (tensor ids: the flat inputs first, then every equation's outputs in jaxpr
 order; op ids: equation indices). It says
 

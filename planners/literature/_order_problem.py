@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence
 
-from jaxmem.analysis.graph import MemGraph
+from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.plans import plan as plan_lib
 
 

@@ -45,7 +45,7 @@ import logging
 import time
 from typing import Any, Mapping, Sequence
 
-from jaxmem.analysis.graph import MemGraph
+from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._registry import register
 from jaxmem.planners._shared import check_options, finish

@@ -54,7 +54,7 @@ from typing import Any, Callable, Mapping
 
 import jax
 
-from jaxmem.analysis.graph import MemGraph
+from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners._registry import register

@@ -61,7 +61,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from jaxmem.analysis.graph import MemGraph
+from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._registry import register
 from jaxmem.planners._shared import (

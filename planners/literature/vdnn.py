@@ -40,7 +40,7 @@ import logging
 import time
 from typing import Any, Iterable, Literal, Mapping
 
-from jaxmem.analysis.graph import MemGraph
+from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._registry import register
 from jaxmem.planners._shared import Residuals, check_options, find_residuals, finish, remat_points
