@@ -16,7 +16,7 @@ import jaxmem
 from jaxmem import models
 from jaxmem.analysis.graph import build_graph
 from jaxmem.cost import profile
-from jaxmem.cost.costmodel import CostModel
+from jaxmem.cost.costmodel import CostModel, OpTimes
 from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.plans.plan import unplanned
 
@@ -34,7 +34,7 @@ def _args(layers=4):
 
 
 def _table(graph, seconds):
-    return profile.OpTimes(times_s=tuple(seconds), device="test", platform="cpu", repeats=1,
+    return OpTimes(times_s=tuple(seconds), device="test", platform="cpu", repeats=1,
                            primitives=tuple(op.primitive for op in graph.ops), wall_time_s=0.0,
                            instruction_time_s=math.fsum(seconds), attributed_share=1.0)
 

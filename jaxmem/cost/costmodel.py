@@ -50,16 +50,14 @@ results up; it runs beside device compute like an asynchronous copy. A
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-from typing import TYPE_CHECKING, Any, Literal, Mapping
+from typing import Any, Literal, Mapping
 
 import numpy as np
 
 from jaxmem import targets as _targets
 from jaxmem.cost.hlo import ModuleCost, OpCost
-
-if TYPE_CHECKING:
-    from jaxmem.cost.profile import OpTimes
 
 Direction = Literal["d2h", "h2d"]
 
@@ -107,6 +105,79 @@ class StepTime:
         return max(0.0, self.total_s - self.compute_s)
 
 
+_WRONG_GRAPH = (
+    "these op times were measured on a step with {n} ops ({first}...), not on this graph of {m} "
+    "ops ({mine}...); profile the graph you plan: jaxmem.cost.profile.op_times(graph, *args)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpTimes:
+    """The measured time of each op of a :class:`~jaxmem.analysis.memgraph.MemGraph`.
+
+    Attributes:
+      times_s: seconds per op id (equation index); 0 for an op no executed
+        instruction computes.
+      primitives: each op's primitive, to check the table belongs to a graph.
+      device: the device the step ran on (``"TFRT_CPU_0"``).
+      platform: its platform (``"cpu"``, ``"gpu"``).
+      repeats: profiled runs; each instruction's time is its median over them.
+      wall_time_s: median wall time of one run of the step, timed outside the profiler.
+      instruction_time_s: the instructions' median times, added up (threads
+        may overlap them, so this can exceed the wall time).
+      attributed_share: the share of ``instruction_time_s`` mapped to ops
+        (the rest ran in instructions that name no equation: argument copies).
+      scale: the factor applied to the measured times (1.0 unless
+        :meth:`scaled_to` rescaled them).
+    """
+
+    times_s: tuple[float, ...]
+    primitives: tuple[str, ...]
+    device: str
+    platform: str
+    repeats: int
+    wall_time_s: float
+    instruction_time_s: float
+    attributed_share: float
+    scale: float = 1.0
+
+    @property
+    def total_s(self) -> float:
+        """The ops' times added up."""
+        return math.fsum(self.times_s)
+
+    @property
+    def timed_ops(self) -> int:
+        """Ops with a nonzero measured time."""
+        return sum(t > 0 for t in self.times_s)
+
+    def scaled_to(self, total_s: float) -> "OpTimes":
+        """The same shares with their sum scaled to ``total_s`` (see the module docstring)."""
+        if total_s <= 0 or self.total_s <= 0:
+            raise ValueError(f"scaled_to needs positive totals; got total_s={total_s}, measured "
+                             f"{self.total_s}")
+        factor = total_s / self.total_s
+        return dataclasses.replace(self, times_s=tuple(t * factor for t in self.times_s),
+                                   scale=self.scale * factor)
+
+    def check(self, graph: Any) -> None:
+        """Raise ``ValueError`` unless the table was measured on ``graph``'s program."""
+        mine = tuple(op.primitive for op in graph.ops)
+        if mine != self.primitives:
+            raise ValueError(_WRONG_GRAPH.format(n=len(self.primitives), m=len(mine),
+                                                 first=", ".join(self.primitives[:4]),
+                                                 mine=", ".join(mine[:4])))
+
+    def summary(self) -> str:
+        """One line: where and how the times were measured."""
+        line = (f"op times profiled on {self.platform} ({self.device}), median of {self.repeats} "
+                f"runs: {self.timed_ops} of {len(self.times_s)} ops timed, "
+                f"{self.attributed_share:.1%} of {self.instruction_time_s * 1e3:.4g} ms of "
+                f"instruction time attributed (wall {self.wall_time_s * 1e3:.4g} ms)")
+        if self.scale != 1.0:
+            line += f"; scaled x{self.scale:.4g} to the target's roofline total"
+        return line
+
+
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     """Per-operation time on one target.
@@ -123,8 +194,8 @@ class CostModel:
         precision (``"tensorfloat32"`` on GPU targets, ``"float32"`` on the CPU).
       host_bytes_per_s: host memory bandwidth of computations run on the
         host (:data:`HOST_MEMORY_BYTES_PER_S`, an estimate).
-      op_times: measured op times of one graph
-        (:class:`jaxmem.cost.profile.OpTimes`, attached with :meth:`with_op_times`);
+      op_times: measured op times of one graph (:class:`OpTimes`, from
+        :func:`jaxmem.cost.profile.op_times`, attached with :meth:`with_op_times`);
         ``None``: every op is priced by the roofline.
     """
 
@@ -136,7 +207,7 @@ class CostModel:
     h2d_bytes_per_s: float
     f32_matmul_default: str = "float32"
     host_bytes_per_s: float = HOST_MEMORY_BYTES_PER_S
-    op_times: "OpTimes | None" = None
+    op_times: OpTimes | None = None
 
     @classmethod
     def for_target(cls, target: "str | _targets.Target") -> "CostModel":
@@ -196,7 +267,7 @@ class CostModel:
         return max(flops / self.matmul_flops_per_s(dtype, precision),
                    bytes_accessed / self.hbm_bytes_per_s)
 
-    def with_op_times(self, times: "OpTimes | None", graph: Any = None) -> "CostModel":
+    def with_op_times(self, times: OpTimes | None, graph: Any = None) -> "CostModel":
         """This model pricing ``graph``'s ops by measured ``times`` (``None``: the roofline).
 
         Raises:

@@ -31,7 +31,7 @@ the profiled program compiles to the same instructions as the plain step.
 
 Times measured on one platform describe that platform. When the arguments
 live elsewhere than the target the plan is for (these machines compile for an
-H100 without having one, and profile on the CPU), :meth:`OpTimes.scaled_to`
+H100 without having one, and profile on the CPU), :meth:`~jaxmem.cost.costmodel.OpTimes.scaled_to`
 keeps the measured *shares* and scales their sum to the target's roofline
 total, so that recompute time stays commensurate with the target's host-link
 copy times; :func:`jaxmem.optimize` does that and says so in the plan's notes.
@@ -64,7 +64,7 @@ import jax
 from jax.extend import core as jcore
 
 from jaxmem import emit as emit_lib, targets as targets_lib
-from jaxmem.cost.costmodel import OP_TIMES, CostModel
+from jaxmem.cost.costmodel import OP_TIMES, CostModel, OpTimes
 from jaxmem.cost.hlo import HloModule, parse_module
 
 logger = logging.getLogger(__name__)
@@ -78,79 +78,6 @@ _ABSTRACT_EXTENDED = (
     "op_times: argument {path} is an abstract {dtype} value; the profile runs the step on zeros "
     "for abstract arguments, which a {dtype} cannot be made of. Pass concrete arrays, or use "
     "Config(op_times='roofline').")
-
-_WRONG_GRAPH = (
-    "these op times were measured on a step with {n} ops ({first}...), not on this graph of {m} "
-    "ops ({mine}...); profile the graph you plan: jaxmem.cost.profile.op_times(graph, *args)")
-
-
-@dataclasses.dataclass(frozen=True)
-class OpTimes:
-    """The measured time of each op of a :class:`~jaxmem.analysis.memgraph.MemGraph`.
-
-    Attributes:
-      times_s: seconds per op id (equation index); 0 for an op no executed
-        instruction computes.
-      primitives: each op's primitive, to check the table belongs to a graph.
-      device: the device the step ran on (``"TFRT_CPU_0"``).
-      platform: its platform (``"cpu"``, ``"gpu"``).
-      repeats: profiled runs; each instruction's time is its median over them.
-      wall_time_s: median wall time of one run of the step, timed outside the profiler.
-      instruction_time_s: the instructions' median times, added up (threads
-        may overlap them, so this can exceed the wall time).
-      attributed_share: the share of ``instruction_time_s`` mapped to ops
-        (the rest ran in instructions that name no equation: argument copies).
-      scale: the factor applied to the measured times (1.0 unless
-        :meth:`scaled_to` rescaled them).
-    """
-
-    times_s: tuple[float, ...]
-    primitives: tuple[str, ...]
-    device: str
-    platform: str
-    repeats: int
-    wall_time_s: float
-    instruction_time_s: float
-    attributed_share: float
-    scale: float = 1.0
-
-    @property
-    def total_s(self) -> float:
-        """The ops' times added up."""
-        return math.fsum(self.times_s)
-
-    @property
-    def timed_ops(self) -> int:
-        """Ops with a nonzero measured time."""
-        return sum(t > 0 for t in self.times_s)
-
-    def scaled_to(self, total_s: float) -> "OpTimes":
-        """The same shares with their sum scaled to ``total_s`` (see the module docstring)."""
-        if total_s <= 0 or self.total_s <= 0:
-            raise ValueError(f"scaled_to needs positive totals; got total_s={total_s}, measured "
-                             f"{self.total_s}")
-        factor = total_s / self.total_s
-        return dataclasses.replace(self, times_s=tuple(t * factor for t in self.times_s),
-                                   scale=self.scale * factor)
-
-    def check(self, graph: Any) -> None:
-        """Raise ``ValueError`` unless the table was measured on ``graph``'s program."""
-        mine = tuple(op.primitive for op in graph.ops)
-        if mine != self.primitives:
-            raise ValueError(_WRONG_GRAPH.format(n=len(self.primitives), m=len(mine),
-                                                 first=", ".join(self.primitives[:4]),
-                                                 mine=", ".join(mine[:4])))
-
-    def summary(self) -> str:
-        """One line: where and how the times were measured."""
-        line = (f"op times profiled on {self.platform} ({self.device}), median of {self.repeats} "
-                f"runs: {self.timed_ops} of {len(self.times_s)} ops timed, "
-                f"{self.attributed_share:.1%} of {self.instruction_time_s * 1e3:.4g} ms of "
-                f"instruction time attributed (wall {self.wall_time_s * 1e3:.4g} ms)")
-        if self.scale != 1.0:
-            line += f"; scaled x{self.scale:.4g} to the target's roofline total"
-        return line
-
 
 def op_times(graph: Any, *args: Any, repeats: int = DEFAULT_REPEATS,
              trace_dir: "str | os.PathLike[str] | None" = None, **kwargs: Any) -> OpTimes:
