@@ -184,7 +184,9 @@ class _Interpreter(_FusionRules):
         back = self._write_back_slots(flat_args)
         write_back = {v: -1 - slot for slot, v in enumerate(self.schedule.final)
                       if slot in back and v is not None and v >= view.n_inputs}
-        on_host = _HostUpdate(self, events, back, {t: env[t] for t in self.placed})
+        on_host = _HostUpdate(events, back, {t: env[t] for t in self.placed},
+                              final=self.schedule.final, host_ops=self.host_ops,
+                              tensor=self._tensor, avals=self.avals, issue=self._issue)
         # offloaded tensors whose copy must finish before the next op
         pending_host: list[int] = []
         # offloaded tensor -> chain its prefetch recomputes (first, where the copy is of a
