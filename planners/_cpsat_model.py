@@ -54,7 +54,12 @@ from typing import Any, Mapping
 from ortools.sat.python import cp_model
 
 from jaxmem.planners._cpsat_problem import Evaluation, Problem, Schedule, evaluate
-from jaxmem.planners._cpsat_progress import Progress, Units, enabled as progress_enabled
+from jaxmem.planners._cpsat_progress import (
+    Objective,
+    Progress,
+    Units,
+    enabled as progress_enabled,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -522,8 +527,9 @@ def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
             prm.cp_model_presolve = False
     for key, value in (extra_params or {}).items():
         setattr(prm, key, value)
-    progress = (Progress(model, units, label or "solve", started)
-                if units is not None and progress_enabled() else None)
+    base = sum(node.duration for node in problem.nodes)
+    progress = (Progress(Objective(base, model.weight, model.peak), units, label or "solve",
+                         started) if units is not None and progress_enabled() else None)
     if progress is not None:
         solver.best_bound_callback = progress.on_bound
     code = solver.solve(model.m, progress)
@@ -544,7 +550,6 @@ def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
                  else ""))
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return SolveResult(None, status, None, None, None, wall, detail)
-    base = sum(node.duration for node in problem.nodes)
     extra = (round(solver.objective_value) - (solver.value(model.peak) if tie_break_peak else 0)
              ) // model.weight
     bound = int(solver.best_objective_bound) // model.weight

@@ -20,12 +20,8 @@ import logging
 import math
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from ortools.sat.python import cp_model
-
-if TYPE_CHECKING:
-    from jaxmem.planners._cpsat_model import _Model
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +42,22 @@ class Units:
     tick_s: float
     unit_bytes: int
     fixed_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """How a solve's objective reads as a step time (:mod:`._cpsat_model`'s objective).
+
+    Attributes:
+      base_ticks: the summed duration of the nodes, which every schedule runs.
+      weight: what the extra ticks are multiplied by (``capacity + 1`` when the peak
+        breaks ties, else 1).
+      peak: the model's peak variable (memory units).
+    """
+
+    base_ticks: int
+    weight: int
+    peak: cp_model.IntVar
 
 
 def enabled() -> bool:
@@ -76,10 +88,10 @@ class Progress(cp_model.CpSolverSolutionCallback):
     Only reads what the solver reports; it never stops or steers the search.
     """
 
-    def __init__(self, model: "_Model", units: Units, label: str, started: float) -> None:
+    def __init__(self, objective: Objective, units: Units, label: str, started: float) -> None:
         super().__init__()
-        self._model, self._units, self._label, self._started = model, units, label, started
-        self._base = sum(node.duration for node in model.p.nodes)
+        self._objective, self._units, self._label, self._started = (objective, units, label,
+                                                                    started)
         self._lock = threading.Lock()
         self._time: int | None = None      # ticks of the best solution
         self._peak: int | None = None      # its peak, memory units
@@ -88,11 +100,12 @@ class Progress(cp_model.CpSolverSolutionCallback):
         self._solutions = 0
 
     def on_solution_callback(self) -> None:
-        model = self._model
-        peak = self.value(model.peak)
-        tie = peak if model.weight > 1 else 0
+        objective = self._objective
+        peak = self.value(objective.peak)
+        tie = peak if objective.weight > 1 else 0
         with self._lock:
-            self._time = self._base + (round(self.objective_value) - tie) // model.weight
+            self._time = (objective.base_ticks
+                          + (round(self.objective_value) - tie) // objective.weight)
             self._peak = peak
             self._solutions += 1
             self._note_bound(self.best_objective_bound)
@@ -106,7 +119,8 @@ class Progress(cp_model.CpSolverSolutionCallback):
 
     def _note_bound(self, bound: float) -> None:
         if math.isfinite(bound):
-            ticks = self._base + int(math.floor(bound)) // self._model.weight
+            ticks = (self._objective.base_ticks
+                     + int(math.floor(bound)) // self._objective.weight)
             self._bound = ticks if self._bound is None else max(self._bound, ticks)
 
     def line(self, prefix: str = "") -> str:
