@@ -162,11 +162,13 @@ class Config:
         profile that fails (the plain step does not fit the device) is
         reported and the roofline used.
       options: further options for the planner, by name (e.g. ``{"max_nodes":
-        120}`` or ``{"deterministic_time_s": 2.0}`` for ``cpsat``; each planner's
-        docstring lists its own). A planner refuses a name it does not know with
-        a ``ValueError``; the options this config sets itself (``time_limit_s``,
-        ``seed``, ``bitwise``, the ``allow_*`` switches, ``host_budget_bytes``)
-        are refused here: set the field instead.
+        120}`` or ``{"deterministic_time_s": 2.0}`` for ``cpsat``; the options
+        class of each planner, ``jaxmem.planners.get(name).options``, lists its own
+        with their types and defaults). A planner refuses a name it does not know,
+        or a value of another type than the option's, with a ``ValueError``; the
+        options this config sets itself (``time_limit_s``, ``seed``, ``bitwise``, the
+        ``allow_*`` switches, ``host_budget_bytes``) are refused here: set the field
+        instead.
     """
 
     budget: int | str | float | None = None
@@ -290,7 +292,8 @@ class Config:
 
     def planner_options(self, round_index: int = 0) -> dict[str, Any]:
         """The options the planner receives (in verify round ``round_index``): the
-        fields' and then :attr:`options`."""
+        fields' and then :attr:`options`; the planner builds its options class from them
+        (:func:`jaxmem.planners.options` lists each planner's)."""
         return {**self._field_options(round_index), **(self.options or {})}
 
     def _field_options(self, round_index: int = 0) -> dict[str, Any]:

@@ -1,6 +1,9 @@
 """Planners: one module per planner, one interface, registered by name.
 
-A planner is a callable ``(graph, budget_bytes, cost_model, options) -> Plan``.
+A planner is a callable ``(graph, budget_bytes, cost_model, options) -> Plan``; it builds
+its options class (a :class:`PlannerOptions`, ``get(name).options``) from the ``options``
+mapping and refuses unknown names and values of the wrong type (:func:`options` lists
+them).
 A *peer* is a stock policy that jaxmem does not plan but compares against
 (``jax.checkpoint`` policies and MaxText-style presets applied per block by the
 zoo's model builders); peers are listed beside planners so every name the
@@ -13,18 +16,21 @@ True
 
 from __future__ import annotations
 
+from jaxmem.planners._options import Option, PlannerOptions
 from jaxmem.planners._registry import (
     PEERS,
     Entry,
     PeerName,
     get,
     names,
+    options,
     peers,
     planners,
     register,
 )
 
-__all__ = ["PEERS", "Entry", "PeerName", "get", "names", "peers", "planners", "register"]
+__all__ = ["PEERS", "Entry", "Option", "PeerName", "PlannerOptions", "get", "names", "options",
+           "peers", "planners", "register"]
 
 from jaxmem.planners._registry import register_module as _register_module  # noqa: E402
 

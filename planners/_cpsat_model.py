@@ -558,21 +558,24 @@ def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
 
 
 def solve_in_turn(p: Problem, units: Units, hint: tuple[Schedule, Evaluation],
-                  opts: Mapping[str, Any], notes: list[str], deadline: float
-                  ) -> SolveResult | None:
-    """The cpsat planner's solves (options ``opts``, see :mod:`jaxmem.planners.cpsat`): with
-    the order of ``hint`` fixed, then (when ``p`` leaves the order free) the joint problem,
-    hinted with the first's solution, until ``deadline`` (a ``time.perf_counter()`` value;
-    model building included). Each appends its detail to ``notes``."""
-    kw: dict[str, Any] = dict(num_workers=int(opts["num_workers"]), seed=int(opts["seed"]),
-                              deterministic=bool(opts["deterministic"]), units=units)
+                  notes: list[str], deadline: float, *, time_limit_s: float,
+                  deterministic_time_s: float | None, num_workers: int, seed: int,
+                  deterministic: bool) -> SolveResult | None:
+    """The cpsat planner's solves (its options of these names, see
+    :class:`jaxmem.planners.cpsat.CpsatOptions`): with the order of ``hint`` fixed, then
+    (when ``p`` leaves the order free) the joint problem, hinted with the first's solution,
+    until ``deadline`` (a ``time.perf_counter()`` value; model building included). Each
+    appends its detail to ``notes``."""
+    kw: dict[str, Any] = dict(num_workers=num_workers, seed=seed, deterministic=deterministic,
+                              units=units)
     limit = max(deadline - time.perf_counter(), MIN_SOLVE_S)
     fixed = dataclasses.replace(p, fixed_order=hint[0].order) if p.fixed_order is None else p
     share = _FIXED_SHARE if p.fixed_order is None else 1.0
     # The deterministic budgets come from the option alone, never from the clock: however
     # long the heuristics took, the same step and seed get the same solves.
-    work = _deterministic_work_s(opts)
-    first = solve(fixed, time_limit_s=_wall_s(opts, share * limit, share * work),
+    work = (float(deterministic_time_s) if deterministic_time_s is not None
+            else _DET_SHARE * time_limit_s)
+    first = solve(fixed, time_limit_s=_wall_s(deterministic, share * limit, share * work),
                   deterministic_time_s=share * work, hint=hint, label="order fixed", **kw)
     notes.append(f"CP-SAT, order fixed: {first.detail}")
     if p.fixed_order is not None:
@@ -583,7 +586,7 @@ def solve_in_turn(p: Problem, units: Units, hint: tuple[Schedule, Evaluation],
     if first.schedule is not None:
         hint = (first.schedule, evaluate(p, first.schedule))
     left = max(deadline - time.perf_counter(), (1 - share) * MIN_SOLVE_S)
-    joint = solve(p, time_limit_s=_wall_s(opts, left, (1 - share) * work),
+    joint = solve(p, time_limit_s=_wall_s(deterministic, left, (1 - share) * work),
                   deterministic_time_s=(1 - share) * work, hint=hint, label="order free", **kw)
     notes.append(f"CP-SAT, order free: {joint.detail}")
     if joint.schedule is None:
@@ -598,17 +601,11 @@ def solve_in_turn(p: Problem, units: Units, hint: tuple[Schedule, Evaluation],
     return joint
 
 
-def _deterministic_work_s(opts: Mapping[str, Any]) -> float:
-    """CP-SAT's deterministic time for the fixed-order and joint solves together."""
-    given = opts["deterministic_time_s"]
-    return float(given) if given is not None else _DET_SHARE * float(opts["time_limit_s"])
-
-
-def _wall_s(opts: Mapping[str, Any], left_s: float, work_s: float) -> float:
+def _wall_s(deterministic: bool, left_s: float, work_s: float) -> float:
     """A solve's wall-clock limit: what is left of the time limit, but with ``deterministic``
     never less than ``_WALL_SLACK`` times its deterministic budget, so that a machine that
     much slower than an idle core still stops at the deterministic limit (same plan)."""
-    return max(left_s, _WALL_SLACK * work_s) if opts["deterministic"] else left_s
+    return max(left_s, _WALL_SLACK * work_s) if deterministic else left_s
 
 
 def _failed(result: SolveResult, notes: list[str]) -> None:

@@ -53,6 +53,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from jaxmem.analysis import materialize as mat
 from jaxmem.planners._estimate import estimate_time_s
+from jaxmem.planners._options import PlannerOptions, check_options
 from jaxmem.plans import plan as plan_lib
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def fits_as_written(graph: Any, name: str, budget_bytes: int, cost_model: Any,
                     started: float, memo: dict[Any, Any] | None = None) -> plan_lib.Plan | None:
     """The unplanned plan of ``graph`` when its simulated peak fits ``budget_bytes``; else None.
 
-    ``memo``: the verify loop's dict for one graph (``COMMON_OPTIONS``); the peak of the
+    ``memo``: the verify loop's dict for one graph (``PlannerOptions.memo``); the peak of the
     step as written is simulated once for all its rounds.
     """
     plain = plan_lib.unplanned(graph, planner=name, budget_bytes=budget_bytes)
@@ -499,15 +500,17 @@ def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool =
 
 
 def principled(name: str, fn: Callable[..., plan_lib.Plan],
-               check: Callable[[Mapping[str, Any] | None], Any] | None) -> Callable[..., Any]:
-    """``fn`` under the rules of the module docstring; ``check(options)`` validates options."""
+               options_class: type[PlannerOptions] | None) -> Callable[..., Any]:
+    """``fn`` under the rules of the module docstring; the options a call passes are checked
+    against ``options_class`` (:func:`~jaxmem.planners._options.check_options`; ``None``:
+    ``fn`` takes any)."""
 
     @functools.wraps(fn)
     def planner(graph: Any, budget_bytes: int, cost_model: Any,
                 options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
         started = time.perf_counter()
-        if check is not None:
-            check(options)
+        if options_class is not None:
+            check_options(name, options, options_class)
         memo = (options or {}).get("memo")
         plain = fits_as_written(graph, name, int(budget_bytes), cost_model, started,
                                 memo if isinstance(memo, dict) else None)

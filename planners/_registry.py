@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal
+
+from jaxmem.planners._options import Option, PlannerOptions, describe
 
 Kind = Literal["planner", "peer"]
 
@@ -20,28 +22,20 @@ class Entry:
       fn: the planner function, under the rules every planner obeys (see
         :func:`register`); ``None`` for peers.
       doc: one line for listings.
+      options: the planner's options class (:mod:`jaxmem.planners._options`), which
+        lists its options with their types, defaults and docs; ``None`` for peers and
+        for a planner that takes any options.
     """
 
     name: str
     kind: Kind
     fn: Callable[..., Any] | None
     doc: str
+    options: type[PlannerOptions] | None = None
 
 
 _ENTRIES: dict[str, Entry] = {}
 
-# Options ``jaxmem.Config.planner_options()`` passes to every planner. A planner
-# that has no use for one of them ignores it; other unknown options are errors.
-# ``verify_budget_bytes``: the budget as the user gave it, passed by the verify loop of
-# ``jaxmem.optimize`` when it re-plans under a tightened ``budget_bytes`` after a
-# compiled plan missed (the simulator's error differs from plan to plan).
-# ``bitwise``: ``False`` lets planners trade the plain step's bits for memory (gradients
-# within a few ulps, as under ``jax.checkpoint``; see ``Config.bitwise``).
-# ``memo``: a dict the verify loop keeps through its rounds (one graph, one cost model);
-# a planner may keep there what does not depend on the budget, for its re-plans.
-COMMON_OPTIONS = frozenset({"allow_remat", "allow_offload", "allow_reorder", "allow_state_offload",
-                            "host_budget_bytes", "time_limit_s", "seed", "verify_budget_bytes",
-                            "bitwise", "memo"})
 # Planners that obey every allow_* option (others refuse an allow_<kind>=False for a
 # kind of decision they always make).
 HONOURS_ALLOW = frozenset({"greedy", "cpsat"})
@@ -76,20 +70,21 @@ _PLANNER_MODULES: dict[str, str] = {}
 
 
 def register(name: str, fn: Callable[..., Any], doc: str = "", kind: Kind = "planner",
-             check: Callable[[Mapping[str, Any] | None], Any] | None = None) -> None:
+             options: type[PlannerOptions] | None = None) -> None:
     """Register a planner function under ``name`` (re-registering replaces it).
 
     The entry's ``fn`` is ``fn`` under the rules every planner obeys
     (:mod:`jaxmem.planners._principles`): a step that fits the budget as written is
     returned unplanned, and no plan re-issues or copies a value XLA folds at compile
-    time; ``fn`` itself is its ``__wrapped__``. ``check(options)`` raises for options
-    the planner refuses, before the step is found to fit (``None``: it takes any).
+    time; ``fn`` itself is its ``__wrapped__``. ``options``: the planner's options class;
+    the options a call passes are checked against it before the step is found to fit
+    (``None``: the planner takes any).
     """
     if kind == "planner" and fn is not None:
         from jaxmem.planners._principles import principled
 
-        fn = principled(name, fn, check)
-    _ENTRIES[name] = Entry(name=name, kind=kind, fn=fn, doc=doc)
+        fn = principled(name, fn, options)
+    _ENTRIES[name] = Entry(name=name, kind=kind, fn=fn, doc=doc, options=options)
 
 
 def register_module(name: str, module: str) -> None:
@@ -136,3 +131,20 @@ def get(name: str) -> Entry:
         return _ENTRIES[name]
     except KeyError:
         raise ValueError(f"unknown planner {name!r}; known: {', '.join(names())}") from None
+
+
+def options(name: str) -> tuple[Option, ...]:
+    """The options planner ``name`` takes, with their types, defaults and docs: those every
+    planner receives first (``Option.common``), then its own (none for a planner that
+    takes any options).
+
+    >>> [(o.name, o.default) for o in options("blocks") if not o.common]
+    [('save', 'nothing'), ('small_fraction', 0.01), ('short_lifetime', 2)]
+
+    Raises:
+      ValueError: for a name that is not a registered planner.
+    """
+    entry = get(name)
+    if entry.kind != "planner":
+        raise ValueError(f"{name!r} is a peer policy, not a planner; it takes no options")
+    return () if entry.options is None else describe(entry.options)

@@ -1,5 +1,5 @@
 """What several planners share: the forward residuals and where their re-issues go, the
-forward pass's profile and cuts, the step-time estimate, option checks and the final scoring.
+forward pass's profile and cuts, the step-time estimate and the final scoring.
 
 :func:`find_residuals` lists the values the backward pass reads from the forward pass
 (the buffers, or with ``fused=True`` the fused values too, for segments that recompute
@@ -16,46 +16,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._estimate import estimate_time_s
-from jaxmem.planners._registry import COMMON_OPTIONS
 from jaxmem.plans import plan as plan_lib
 from jaxmem.plans.view import REDUCTIONS
 
 logger = logging.getLogger(__name__)
-
-
-
-_BAD_OPTION = ("planner {planner!r} got unknown option(s) {unknown}; it accepts {allowed}. "
-               "Fix: drop the option or check its spelling.")
-
-
-def check_options(planner: str, options: Mapping[str, Any] | None,
-                  defaults: Mapping[str, Any], does: Iterable[str] = ()) -> dict[str, Any]:
-    """``defaults`` updated with ``options``; unknown keys raise ``ValueError`` naming them.
-
-    The options every planner receives from ``Config`` (``COMMON_OPTIONS``) are
-    dropped when this planner has no use for them, except that an
-    ``allow_<kind>=False`` for a kind of decision the planner always makes
-    (``does``: ``"remat"``, ``"offload"``, ``"reorder"``) is an error: the
-    planner cannot honour it, and ignoring it would break the user's config.
-    """
-    options = dict(options or {})
-    refused = sorted(kind for kind in does if options.get(f"allow_{kind}") is False)
-    if refused:
-        raise ValueError(
-            f"planner {planner!r} always plans {', '.join(refused)}, but the config forbids it "
-            f"({', '.join(f'allow_{k}=False' for k in refused)}, or JAXMEM_LEVEL); choose "
-            f"'greedy' or 'cpsat', which honour every allow_* option")
-    options = {k: v for k, v in options.items() if k in defaults or k not in COMMON_OPTIONS}
-    unknown = sorted(set(options) - set(defaults))
-    if unknown:
-        raise ValueError(_BAD_OPTION.format(planner=planner, unknown=unknown,
-                                            allowed=sorted(defaults)))
-    return {**defaults, **options}
 
 
 def out_of_time(deadline: float | None, notes: list[str], what: str) -> bool:

@@ -57,18 +57,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Literal, Mapping, Sequence, get_args
 
 from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
+from jaxmem.planners._options import Kind, PlannerOptions, check_options
 from jaxmem.planners._registry import register
 from jaxmem.planners._repeats import MIN_OPS, repeated_blocks
 from jaxmem.planners._shared import (
     Residuals,
-    check_options,
     find_residuals,
     finish,
     forward_cuts,
@@ -82,11 +81,32 @@ from jaxmem.plans import plan as plan_lib
 logger = logging.getLogger(__name__)
 
 NAME = "blocks"
-SAVE = ("nothing", "dots", "dots_no_batch")
-_DEFAULTS: dict[str, Any] = {"save": "nothing", "bitwise": True, "small_fraction": 0.01,
-                             "short_lifetime": 2}
+Save = Literal["nothing", "dots", "dots_no_batch"]
+SAVE: tuple[Save, ...] = get_args(Save)
 # Module levels searched for repeated children, from the root down.
 MAX_DEPTH = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class BlocksOptions(PlannerOptions):
+    """The options of ``blocks``; of the common ones it reads ``bitwise``, and it always
+    recomputes.
+
+    Attributes:
+      save: what a block keeps besides its input: ``"nothing"``, the matmul and
+        convolution outputs (``"dots"``), or those without batch dimensions
+        (``"dots_no_batch"``).
+      small_fraction: residuals smaller than this share of the largest buffer kept at a
+        block boundary are kept.
+      short_lifetime: residuals read by the backward pass within this many ops of being
+        made are kept.
+    """
+
+    always_plans: ClassVar[tuple[Kind, ...]] = ("remat",)
+
+    save: Save = "nothing"
+    small_fraction: float = 0.01
+    short_lifetime: int = 2
 
 
 def find_blocks(modules: Sequence[str], forward_ops: Sequence[int], primitives: Sequence[str]
@@ -164,19 +184,14 @@ def blocks(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
            options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
     """Keep block inputs (and, with ``save``, their matmuls); re-issue the rest of each block.
 
-    Options: ``save`` (``"nothing"``, the default, ``"dots"`` or
-    ``"dots_no_batch"``: what a block keeps besides its input), ``bitwise``,
-    ``small_fraction`` and ``short_lifetime`` (as for
-    :func:`~jaxmem.planners.literature.sublinear.sublinear`).
+    Options: :class:`BlocksOptions`.
 
     Returns:
       The plan, scored by the simulator; ``"over_budget"`` when it does not fit.
     """
-    opts = check_options(NAME, options, _DEFAULTS, does=("remat",))
-    if opts["save"] not in SAVE:
-        raise ValueError(f"blocks: save={opts['save']!r}; allowed: {', '.join(SAVE)}")
+    opts = check_options(NAME, options, BlocksOptions)
     started = time.perf_counter()
-    res = find_residuals(graph, fused=fused_segments(graph, opts["bitwise"]))
+    res = find_residuals(graph, fused=fused_segments(graph, opts.bitwise))
     forward = [op for op in res.order if graph.ops[op].phase == "forward"]
     cuts = forward_cuts(graph, res)
     detected = detect_blocks(graph, res, forward, cuts)
@@ -197,14 +212,14 @@ def blocks(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     how = ("" if detected.source == "module paths" else
            f" of {'/'.join(map(str, detected.periods))} forward ops repeated back to back "
            "(found in the op sequence: no module paths name layers covering as many ops)")
-    note = (f"{len(found)} blocks ({names}, ...){how}, save={opts['save']}: "
+    note = (f"{len(found)} blocks ({names}, ...){how}, save={opts.save}: "
             f"{sum(t in keep for t in res.tensors)} buffers kept, {len(remat)} tensors re-issued")
     return finish(graph, budget_bytes, cost_model, planner=NAME, started=started,
                   order=res.order, remat=remat, notes=[note], log=logger)
 
 
 def _kept(graph: MemGraph, res: Residuals, cost_model: CostModel, forward: list[int],
-          found: list[tuple[str, list[int]]], opts: Mapping[str, Any],
+          found: list[tuple[str, list[int]]], opts: BlocksOptions,
           cuts: tuple[tuple[int, frozenset[int]], ...]) -> frozenset[int]:
     """Block inputs and outputs, residuals made outside blocks, ``save``'s matmuls, forced keeps.
 
@@ -224,19 +239,19 @@ def _kept(graph: MemGraph, res: Residuals, cost_model: CostModel, forward: list[
     boundary = set().union(*(cuts[i - 1][1] for i, op in enumerate(forward)
                              if op in starts and i > 0),
                            *(cuts[i][1] for i, op in enumerate(forward) if op == last))
-    prof = profile(graph, res, cost_model, small_fraction=opts["small_fraction"],
-                   short_lifetime=opts["short_lifetime"], among=boundary or None, cuts=cuts)
+    prof = profile(graph, res, cost_model, small_fraction=opts.small_fraction,
+                   short_lifetime=opts.short_lifetime, among=boundary or None, cuts=cuts)
     keep = set(prof.forced) | boundary
     for op in forward:
         if op not in in_block:
             keep |= {t for t in graph.ops[op].outputs if res.is_buffer(graph, t)}
-    if opts["save"] != "nothing":
+    if opts.save != "nothing":
         # Every matmul output, not only the residuals: a re-issue reads a kept one where
         # it is (a projection split into query, key and value), as a saved dot is in JAX.
         keep |= {t for t in res.forward
-                 if makes_matmul(graph, t, batched=opts["save"] == "dots")}
+                 if makes_matmul(graph, t, batched=opts.save == "dots")}
     return frozenset(keep)
 
 
 register(NAME, blocks, "keep each repeated block's input, recompute the block (per-layer remat)",
-         check=functools.partial(check_options, NAME, defaults=_DEFAULTS, does=("remat",)))
+         options=BlocksOptions)

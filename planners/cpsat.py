@@ -85,27 +85,7 @@ How it runs, within ``time_limit_s``:
 ``lower_bound`` and ``gap`` are the solver's, on its objective: the step time
 (seconds) of the coarse model, whose durations are rounded up to ticks.
 
-Options (all optional): ``time_limit_s`` (30), ``num_workers`` (2), ``seed``
-(0), ``allow_remat`` / ``allow_offload`` / ``allow_reorder`` (True),
-``max_copies`` (2), ``max_nodes`` (60), ``reserve_bytes`` (0),
-``host_budget_bytes`` (64 GiB), ``deterministic`` (True: CP-SAT searches on
-one worker — its deterministic multi-worker mode crashes the process on some of
-our models with OR-Tools 9.15 — and each solve also stops at a deterministic-time
-limit, so the same inputs and seed give the same plan unless the wall clock stops
-a solve first, which the notes then say; False: ``num_workers`` workers, not
-repeatable), ``deterministic_time_s`` (None: half of ``time_limit_s``; CP-SAT's
-deterministic time for steps 2 and 3 together),
-``tie_blocks`` (False: equal decisions for items at the same place of repeated
-layers), ``min_decision_bytes`` (buffers smaller than this are always kept;
-default ``budget / 2000``: fewer variables, little memory left on the table),
-``heuristics`` (``("chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks",
-"blocks:dots", "blocks:dots_no_batch", "keep_matmuls_fit", "greedy", "sublinear")``:
-registered planners, run in this order, whose plans warm-start the solver and compete
-with its plan, ``"blocks:<save>"`` being ``blocks`` with that ``save`` option;
-``order_dfs`` / ``order_bfs`` may be added, at a cost of seconds to minutes on large graphs),
-``verify_budget_bytes`` (None; set by the verify loop, see above),
-``allow_state_offload`` (False; step 5), ``bitwise`` (True; passed to the remat heuristics),
-``memo`` (None; the verify loop's dict for its rounds, see step 1).
+Options: :class:`CpsatOptions`.
 
 >>> import jax, jax.numpy as jnp
 >>> from jaxmem.analysis.graph import build_graph
@@ -129,29 +109,17 @@ from jaxmem.planners._cpsat_hint import repair
 from jaxmem.planners._cpsat_model import MIN_SOLVE_S as _MIN_SOLVE_S
 from jaxmem.planners._cpsat_problem import Evaluation, Schedule, evaluate
 from jaxmem.planners._estimate import estimate_time_s
+from jaxmem.planners._options import PlannerOptions, check_options
 from jaxmem.planners._principles import without_constant_decisions
 from jaxmem.planners._registry import get, register
 from jaxmem.planners.blocks import SAVE
 from jaxmem.planners.coarsen import Coarsening, coarsen, plan_schedule, schedule_fields
 from jaxmem.planners.greedy import place_state
 from jaxmem.plans import placement as placement_lib, plan as plan_lib
-from jaxmem.targets import DEFAULT_HOST_BUDGET_BYTES
 
 logger = logging.getLogger(__name__)
 
 NAME = "cpsat"
-DEFAULTS: dict[str, Any] = {
-    "time_limit_s": 30.0, "num_workers": 2, "seed": 0, "allow_remat": True,
-    "allow_offload": True, "allow_reorder": True, "max_copies": 2, "max_nodes": 60,
-    "reserve_bytes": 0, "host_budget_bytes": DEFAULT_HOST_BUDGET_BYTES, "deterministic": True,
-    "deterministic_time_s": None,
-    "tie_blocks": False, "min_decision_bytes": None,
-    # one simulation each first (their plans do not depend on the budget: a re-plan of
-    # the verify loop reuses them), then the searches, which share what is left
-    "heuristics": ("chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks", "blocks:dots",
-                   "blocks:dots_no_batch", "keep_matmuls_fit", "greedy", "sublinear"),
-    "verify_budget_bytes": None, "bitwise": True, "allow_state_offload": False, "memo": None,
-}
 # Shares of the time limit: the heuristic planners together (run in turn, each search
 # given what is left; one not reached in time is skipped, and the notes say so), and
 # (of what is left) the fixed-order solve when the order may change afterwards.
@@ -181,8 +149,63 @@ _DECISION_FRACTION = 2000
 _PLACED = 2
 _PLACED_NAME = "{} + state on host"
 
-_BAD_OPTION = ("cpsat: unknown option {key!r} (value {value!r}); allowed: {allowed}. Fix: drop it "
-               "or check its spelling.")
+@dataclasses.dataclass(frozen=True)
+class CpsatOptions(PlannerOptions):
+    """The options of ``cpsat``; it reads every common one (``time_limit_s`` defaults to 30
+    here, ``seed`` seeds CP-SAT, ``bitwise`` goes to the remat heuristics,
+    ``allow_state_offload`` enables step 5, ``verify_budget_bytes`` and ``memo`` are the
+    verify loop's: steps 4 and 1 of the module docstring).
+
+    Attributes:
+      num_workers: CP-SAT's workers when not ``deterministic``.
+      max_copies: copies of a buffer the model may hold: itself and up to
+        ``max_copies - 1`` re-issues.
+      max_nodes: nodes of the coarse graph.
+      reserve_bytes: device bytes the model leaves free under the budget.
+      deterministic: CP-SAT searches on one worker (its deterministic multi-worker mode
+        crashes the process on some of our models with OR-Tools 9.15) and each solve also
+        stops at a deterministic-time limit, so the same inputs and seed give the same plan
+        unless the wall clock stops a solve first, which the notes then say; ``False``:
+        ``num_workers`` workers, not repeatable.
+      deterministic_time_s: CP-SAT's deterministic time for steps 2 and 3 together
+        (``None``: half of ``time_limit_s``).
+      tie_blocks: equal decisions for items at the same place of repeated layers.
+      min_decision_bytes: buffers smaller than this are always kept (``None``:
+        ``budget / 2000``: fewer variables, little memory left on the table).
+      heuristics: registered planners, run in this order, whose plans warm-start the
+        solver and compete with its plan; ``"blocks:<save>"`` is ``blocks`` with that
+        ``save`` option; ``order_dfs`` / ``order_bfs`` may be added, at a cost of seconds
+        to minutes on large graphs.
+    """
+
+    time_limit_s: float = 30.0
+    num_workers: int = 2
+    max_copies: int = 2
+    max_nodes: int = 60
+    reserve_bytes: int = 0
+    deterministic: bool = True
+    deterministic_time_s: float | None = None
+    tie_blocks: bool = False
+    min_decision_bytes: int | None = None
+    # one simulation each first (their plans do not depend on the budget: a re-plan of
+    # the verify loop reuses them), then the searches, which share what is left
+    heuristics: tuple[str, ...] = ("chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks",
+                                   "blocks:dots", "blocks:dots_no_batch", "keep_matmuls_fit",
+                                   "greedy", "sublinear")
+
+    def __post_init__(self) -> None:
+        for key in ("time_limit_s", "deterministic_time_s"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ValueError(f"cpsat: {key}={value!r} must be a positive number of seconds")
+        for key in ("num_workers", "max_copies", "max_nodes"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"cpsat: {key}={getattr(self, key)!r} must be an integer >= 1")
+        for name in self.heuristics:
+            base, colon, save = name.partition(":")
+            if colon and (base != "blocks" or save not in SAVE):
+                raise ValueError(f"cpsat: heuristic {name!r}: only 'blocks' takes a variant, "
+                                 f"'blocks:<save>' with <save> one of {', '.join(SAVE)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,31 +218,6 @@ class _Scored:
     time_s: float
 
 
-def _options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    opts = dict(DEFAULTS)
-    for key, value in (options or {}).items():
-        if key not in DEFAULTS:
-            raise ValueError(_BAD_OPTION.format(key=key, value=value,
-                                                allowed=", ".join(sorted(DEFAULTS))))
-        opts[key] = value
-    if opts["time_limit_s"] is None:
-        opts["time_limit_s"] = DEFAULTS["time_limit_s"]
-    for key in ("time_limit_s", "deterministic_time_s"):
-        if opts[key] is not None and not float(opts[key]) > 0:
-            raise ValueError(f"cpsat: {key}={opts[key]!r} must be a positive number of seconds")
-    for key in ("num_workers", "max_copies", "max_nodes"):
-        if int(opts[key]) < 1:
-            raise ValueError(f"cpsat: {key}={opts[key]!r} must be an integer >= 1")
-    if isinstance(opts["heuristics"], str):
-        opts["heuristics"] = (opts["heuristics"],)
-    for name in opts["heuristics"]:
-        base, colon, save = name.partition(":")
-        if colon and (base != "blocks" or save not in SAVE):
-            raise ValueError(f"cpsat: heuristic {name!r}: only 'blocks' takes a variant, "
-                             f"'blocks:<save>' with <save> one of {', '.join(SAVE)}")
-    return opts
-
-
 def _score(graph: Any, name: str, plan: plan_lib.Plan, cost_model: Any) -> _Scored:
     """``plan`` with its simulated peak and estimated time, its state placement included
     (greedy's ``allow_state_offload`` plans place some; the others place none)."""
@@ -228,11 +226,11 @@ def _score(graph: Any, name: str, plan: plan_lib.Plan, cost_model: Any) -> _Scor
 
 
 def _placed(graph: Any, s: _Scored, budget_bytes: int, cost_model: Any,
-            opts: dict[str, Any]) -> _Scored | None:
+            opts: CpsatOptions) -> _Scored | None:
     """``s`` with parameters and optimizer state placed on pinned host until it fits (the
     greedy planner's last step, :func:`jaxmem.planners.greedy.place_state`), or None when
     placing nothing lowers its peak."""
-    host_left = (int(opts["host_budget_bytes"])
+    host_left = (int(opts.host_budget_bytes)
                  - plan_lib.build_schedule(graph, s.plan).host_peak_bytes())
     placed, _ = place_state(graph, s.plan, budget_bytes, host_left)
     if not placed:
@@ -242,7 +240,7 @@ def _placed(graph: Any, s: _Scored, budget_bytes: int, cost_model: Any,
                   s.plan.replace(placement=placed, host_update=host_update), cost_model)
 
 
-def _heuristic_options(name: str, opts: dict[str, Any], left_s: float
+def _heuristic_options(name: str, opts: CpsatOptions, left_s: float
                        ) -> dict[str, Any] | None:
     """The options a heuristic planner accepts, or None when it cannot obey ``opts``;
     the searches among them get ``left_s`` seconds.
@@ -254,28 +252,28 @@ def _heuristic_options(name: str, opts: dict[str, Any], left_s: float
         sub = _heuristic_options(name, opts, left_s)
         return None if sub is None else {**sub, "save": save}
     if name == "greedy":
-        return {"allow_remat": opts["allow_remat"], "allow_offload": opts["allow_offload"],
-                "allow_state_offload": opts["allow_state_offload"],
-                "host_budget_bytes": opts["host_budget_bytes"], "time_limit_s": left_s}
+        return {"allow_remat": opts.allow_remat, "allow_offload": opts.allow_offload,
+                "allow_state_offload": opts.allow_state_offload,
+                "host_budget_bytes": opts.host_budget_bytes, "time_limit_s": left_s}
     if name in ("sublinear", "keep_matmuls_fit"):
-        return {"bitwise": opts["bitwise"], "time_limit_s": left_s} if opts["allow_remat"] \
+        return {"bitwise": opts.bitwise, "time_limit_s": left_s} if opts.allow_remat \
             else None
     if name in ("chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks"):
-        return {"bitwise": opts["bitwise"]} if opts["allow_remat"] else None
+        return {"bitwise": opts.bitwise} if opts.allow_remat else None
     if name in ("order_bfs", "order_dfs"):
-        return {"fine_tune_s": left_s} if opts["allow_reorder"] else None
+        return {"fine_tune_s": left_s} if opts.allow_reorder else None
     return {}
 
 
-def _heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: dict[str, Any],
+def _heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: CpsatOptions,
                 notes: list[str], plain: _Scored, started: float) -> list[_Scored]:
     """Program order unchanged (``plain``), and each registered heuristic planner's plan,
     in turn until ``_HEURISTIC_SHARE`` of the time limit (from ``started``) is spent."""
     out = [plain]
-    limit = _HEURISTIC_SHARE * float(opts["time_limit_s"])
+    limit = _HEURISTIC_SHARE * float(opts.time_limit_s)
     deadline = started + limit
     skipped = []
-    for name in opts["heuristics"]:
+    for name in opts.heuristics:
         left = deadline - time.perf_counter()
         if left <= 0:
             skipped.append(name)
@@ -284,7 +282,7 @@ def _heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: dict[str, 
         if sub is None:
             continue
         key = (NAME, name, tuple(sorted(sub.items())))
-        memo = opts["memo"] if name.partition(":")[0] in _FIXED_PLANS else None
+        memo = opts.memo if name.partition(":")[0] in _FIXED_PLANS else None
         if memo is not None and key in memo:
             out.append(memo[key])
             notes.append(f"heuristic {name!r}: the plan of an earlier round, "
@@ -360,7 +358,7 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
       graph: the step's ``MemGraph``.
       budget_bytes: device bytes the step may use.
       cost_model: a :class:`jaxmem.cost.costmodel.CostModel` for the target.
-      options: see the module docstring; unknown keys raise.
+      options: :class:`CpsatOptions`, by name; unknown names raise.
 
     Returns:
       The plan, scored by the simulator; ``status`` is ``OK``, ``OVER_BUDGET`` or
@@ -370,7 +368,7 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
       ValueError: an unknown option or a bad value (the message names it).
     """
     started = time.perf_counter()
-    opts = _options(options)
+    opts = check_options(NAME, options, CpsatOptions)
     notes: list[str] = []
     plain = _score(graph, "program order",
                    plan_lib.unplanned(graph, planner=NAME, budget_bytes=budget_bytes), cost_model)
@@ -386,15 +384,15 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
     # _choose scores the solver's plan as plain was scored: keep that much time for it
     score_s = time.perf_counter() - started
     heur = _heuristics(graph, budget_bytes, cost_model, opts, notes, plain, started)
-    c = coarsen(graph, budget_bytes, cost_model, max_nodes=int(opts["max_nodes"]),
-                reserve_bytes=int(opts["reserve_bytes"]), allow_remat=bool(opts["allow_remat"]),
-                allow_offload=bool(opts["allow_offload"]),
-                allow_reorder=bool(opts["allow_reorder"]), max_copies=int(opts["max_copies"]),
+    c = coarsen(graph, budget_bytes, cost_model, max_nodes=int(opts.max_nodes),
+                reserve_bytes=int(opts.reserve_bytes), allow_remat=opts.allow_remat,
+                allow_offload=opts.allow_offload,
+                allow_reorder=opts.allow_reorder, max_copies=int(opts.max_copies),
                 min_decision_bytes=int(budget_bytes // _DECISION_FRACTION
-                                       if opts["min_decision_bytes"] is None
-                                       else opts["min_decision_bytes"]),
-                tie_blocks=bool(opts["tie_blocks"]),
-                host_budget_bytes=int(opts["host_budget_bytes"]))
+                                       if opts.min_decision_bytes is None
+                                       else opts.min_decision_bytes),
+                tie_blocks=opts.tie_blocks,
+                host_budget_bytes=int(opts.host_budget_bytes))
     p = c.problem
     notes.append(f"coarse problem: {len(p.nodes)} nodes from {len(graph.ops)} ops, "
                  f"{len(p.items)} buffers ({sum(i.can_remat for i in p.items)} may be re-issued, "
@@ -406,9 +404,9 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
                      f"less the reserve ({budget_bytes - c.reserve_bytes:,} B)")
     else:
         hint = _warm_start(c, heur, budget_bytes,
-                           time.perf_counter() + _HINT_SHARE * float(opts["time_limit_s"]), notes)
+                           time.perf_counter() + _HINT_SHARE * float(opts.time_limit_s), notes)
         notes.append(f"warm start from {hint[2]}: model peak {hint[1].peak} of {p.capacity} units")
-        limit = float(opts["time_limit_s"])
+        limit = float(opts.time_limit_s)
         deadline = started + limit - score_s
         left = deadline - time.perf_counter()
         if left < _SOLVE_SHARE * limit:
@@ -417,19 +415,22 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
                          f"CP-SAT gets {max(left, _MIN_SOLVE_S):.1f} s")
         units = _cpsat_model.Units(c.tick_s, c.unit_bytes, c.fixed_bytes)
         result = _cpsat_model.solve_in_turn(
-            p, units, hint[:2], opts, notes, max(deadline, time.perf_counter() + _MIN_SOLVE_S))
+            p, units, hint[:2], notes, max(deadline, time.perf_counter() + _MIN_SOLVE_S),
+            time_limit_s=float(opts.time_limit_s), deterministic_time_s=opts.deterministic_time_s,
+            num_workers=int(opts.num_workers), seed=int(opts.seed),
+            deterministic=opts.deterministic)
     return _choose(graph, budget_bytes, cost_model, c, result, heur, notes, started, opts)
 
 
 def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
             result: _cpsat_model.SolveResult | None, heur: list[_Scored], notes: list[str],
-            started: float, opts: dict[str, Any]) -> plan_lib.Plan:
+            started: float, opts: CpsatOptions) -> plan_lib.Plan:
     """The fastest plan that fits, the solver's preferred; else the lowest peak.
 
     With ``allow_state_offload``, when no plan fits without placing state (greedy's
     may fit with), state is placed on pinned host on top of the solver's plan and of
     the lowest-peak heuristic plans, and those compete too."""
-    verify_budget_bytes = opts["verify_budget_bytes"]
+    verify_budget_bytes = opts.verify_budget_bytes
     solver = None
     solver_status = fallback_reason = ""
     if result is not None and result.schedule is not None:
@@ -443,7 +444,7 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
                      f"{result.peak * c.unit_bytes + c.fixed_bytes:,} B (it counts memory per "
                      f"node, so at or above the simulator's)")
     fits = [s for s in ([solver] if solver else []) + heur if s.peak_bytes <= budget_bytes]
-    if opts["allow_state_offload"] and all(s.plan.placement for s in fits):
+    if opts.allow_state_offload and all(s.plan.placement for s in fits):
         heur = heur + _with_state_placed(graph, budget_bytes, cost_model, opts, solver, heur,
                                          notes)
         fits = [s for s in ([solver] if solver else []) + heur if s.peak_bytes <= budget_bytes]
@@ -514,7 +515,7 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
         bound_unit="s", notes=tuple(notes))
 
 
-def _with_state_placed(graph: Any, budget_bytes: int, cost_model: Any, opts: dict[str, Any],
+def _with_state_placed(graph: Any, budget_bytes: int, cost_model: Any, opts: CpsatOptions,
                        solver: _Scored | None, heur: list[_Scored],
                        notes: list[str]) -> list[_Scored]:
     """The solver's plan and the ``_PLACED`` lowest-peak other heuristic plans without a
@@ -610,4 +611,4 @@ def _alternatives(best: _Scored, fits: list[_Scored], budget_bytes: int, started
 
 
 register(NAME, plan_cpsat, "joint order, remat and offload by CP-SAT (OR-Tools), warm-started "
-         "from greedy, checked by the simulator", check=_options)
+         "from greedy, checked by the simulator", options=CpsatOptions)

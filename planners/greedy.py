@@ -43,11 +43,10 @@ import time
 from typing import Any, Mapping
 
 from jaxmem.planners._estimate import estimate_time_s
+from jaxmem.planners._options import PlannerOptions, check_options
 from jaxmem.planners._principles import constant_tensors
 from jaxmem.planners._registry import register
-from jaxmem.planners._shared import check_options
 from jaxmem.plans import placement as placement_lib, plan as plan_lib
-from jaxmem.targets import DEFAULT_HOST_BUDGET_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +54,13 @@ NAME = "greedy"
 # Gaps shorter than this many ops free too little to be worth a split.
 MIN_GAP_OPS = 2
 MAX_ROUNDS = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class GreedyOptions(PlannerOptions):
+    """The greedy planner's options: the common ones, of which it reads ``allow_remat``,
+    ``allow_offload``, ``allow_state_offload`` (place inputs on host only when splits do not
+    fit), ``host_budget_bytes`` and ``time_limit_s``; it never reorders."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,21 +210,17 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
       graph: the step's ``MemGraph``.
       budget_bytes: device bytes the plan must fit in.
       cost_model: a ``jaxmem.cost.costmodel.CostModel`` (times of ops and copies).
-      options: ``allow_remat``, ``allow_offload`` (default True),
-        ``allow_state_offload`` (default False: place no inputs on host),
-        ``host_budget_bytes`` (pinned host the offloads may use, default 64 GiB),
-        ``time_limit_s`` (default none). Unknown keys raise ``ValueError``.
+      options: :class:`GreedyOptions`, by name; unknown names raise ``ValueError``.
 
     Returns:
       A plan with status ``"ok"`` when the simulated peak fits, else
       ``"over_budget"`` (or ``"timeout"``) with the best plan found.
     """
     start = time.perf_counter()
-    options = _options(options)
-    allow_remat = bool(options["allow_remat"])
-    allow_offload = bool(options["allow_offload"])
-    host_budget = int(options["host_budget_bytes"])
-    time_limit_s = options["time_limit_s"]
+    opts = check_options(NAME, options, GreedyOptions)
+    allow_remat, allow_offload = opts.allow_remat, opts.allow_offload
+    host_budget = int(opts.host_budget_bytes)
+    time_limit_s = opts.time_limit_s
     pool = {c.tensor: c for c in candidates(graph, cost_model)}
     decisions = _Decisions(graph)
     rejected: set[int] = set()
@@ -276,7 +278,7 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
     deadline = None if time_limit_s is None else start + time_limit_s
     decisions, sim, pruned = _without_needless(graph, decisions, sim, budget_bytes, deadline)
     placed: dict[int, str] = {}
-    if options["allow_state_offload"] and sim.peak_bytes > budget_bytes:
+    if opts.allow_state_offload and sim.peak_bytes > budget_bytes:
         host_used = plan_lib.build_schedule(graph, decisions.plan(budget_bytes)).host_peak_bytes()
         placed, sim = place_state(graph, decisions.plan(budget_bytes), budget_bytes,
                                   host_budget - host_used, deadline)
@@ -365,13 +367,5 @@ def _cheapest(c: Candidate, decisions: _Decisions, allow_remat: bool, allow_offl
     return min(options, key=lambda o: o[1]) if options else None
 
 
-_DEFAULTS = {"allow_remat": True, "allow_offload": True, "allow_state_offload": False,
-             "host_budget_bytes": DEFAULT_HOST_BUDGET_BYTES, "time_limit_s": None}
-
-
-def _options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    return check_options(NAME, options, _DEFAULTS)
-
-
 register(NAME, plan_greedy, "remat/offload the largest buffers alive at the peak, by bytes "
-         "freed per second, until the simulated peak fits", check=_options)
+         "freed per second, until the simulated peak fits", options=GreedyOptions)

@@ -43,17 +43,17 @@ decides their status), like ``chen``'s. Options:
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import time
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 from jaxmem.analysis import materialize as mat
 from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
+from jaxmem.planners._options import Kind, PlannerOptions, check_options
 from jaxmem.planners._registry import register
 from jaxmem.planners._shared import (
-    check_options,
     computed_by,
     find_residuals,
     finish,
@@ -72,6 +72,17 @@ FIT = "keep_matmuls_fit"
 MATMUL_PRIMITIVES = mat.MATMULS
 
 
+@dataclasses.dataclass(frozen=True)
+class KeepMatmulsOptions(PlannerOptions):
+    """The options of ``keep_matmuls``, ``keep_matmuls_no_batch`` and ``keep_matmuls_fit``:
+    the common ones, of which they read ``bitwise`` (segments recompute the values XLA
+    fuses into summations only where that keeps the plain step's bits) and
+    ``keep_matmuls_fit`` ``time_limit_s`` (its search stops when it is spent, with the
+    best plan so far, and says so in the notes); they always recompute."""
+
+    always_plans: ClassVar[tuple[Kind, ...]] = ("remat",)
+
+
 def keep_matmuls(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
                  options: Mapping[str, Any] | None = None, *, batched: bool = True
                  ) -> plan_lib.Plan:
@@ -81,7 +92,7 @@ def keep_matmuls(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
       graph: the step's ``MemGraph``.
       budget_bytes: device bytes the step may use (decides the status only).
       cost_model: the target's cost model (for the time estimate).
-      options: ``bitwise`` and the options every planner receives; others raise.
+      options: :class:`KeepMatmulsOptions`, by name; others raise.
       batched: keep matmuls with batch dimensions too (``False``: recompute
         them, ``keep_matmuls_no_batch``).
 
@@ -89,9 +100,9 @@ def keep_matmuls(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
       The plan, scored by the simulator; ``"over_budget"`` when it does not fit.
     """
     name = NAME if batched else NO_BATCH
-    opts = check_options(name, options, {"bitwise": True}, does=("remat",))
+    opts = check_options(name, options, KeepMatmulsOptions)
     started = time.perf_counter()
-    res = find_residuals(graph, fused=fused_segments(graph, opts["bitwise"]))
+    res = find_residuals(graph, fused=fused_segments(graph, opts.bitwise))
     cheap = _cheap(graph, _closures(graph, res), batched)
     remat, _ = remat_points(graph, res, cheap)
     return finish(graph, budget_bytes, cost_model, planner=name, started=started,
@@ -116,15 +127,13 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     the group that reaches the budget only the fewest that fit are recomputed
     (a binary search). About one simulation per role, so a few dozen on a
     deep model. ``"over_budget"`` when nothing more helps.
-    Options: ``bitwise``, as for ``keep_matmuls``; ``time_limit_s`` (default
-    none: the search stops when it is spent, with the best plan so far, and
-    says so in the notes).
+    Options: :class:`KeepMatmulsOptions`.
     """
-    opts = check_options(FIT, options, {"bitwise": True, "time_limit_s": None}, does=("remat",))
+    opts = check_options(FIT, options, KeepMatmulsOptions)
     started = time.perf_counter()
-    deadline = None if opts["time_limit_s"] is None else started + float(opts["time_limit_s"])
+    deadline = None if opts.time_limit_s is None else started + float(opts.time_limit_s)
     stopped: list[str] = []
-    res = find_residuals(graph, fused=fused_segments(graph, opts["bitwise"]))
+    res = find_residuals(graph, fused=fused_segments(graph, opts.bitwise))
     closures = _closures(graph, res)
     cheap = _cheap(graph, closures, batched=True)
     cheap_set = set(cheap)
@@ -247,14 +256,9 @@ def makes_matmul(graph: MemGraph, tensor: int, batched: bool = True) -> bool:
 
 
 register(NAME, keep_matmuls, "keep matmul/conv outputs, recompute the rest (dots_saveable on "
-         "the flat graph)", check=functools.partial(check_options, NAME, defaults={"bitwise": True},
-                                                    does=("remat",)))
+         "the flat graph)", options=KeepMatmulsOptions)
 register(FIT, keep_matmuls_fit, "keep the matmul outputs the budget allows, recompute the "
-         "rest (the cheapest per byte dropped first)",
-         check=functools.partial(check_options, FIT,
-                                 defaults={"bitwise": True, "time_limit_s": None},
-                                 does=("remat",)))
+         "rest (the cheapest per byte dropped first)", options=KeepMatmulsOptions)
 register(NO_BATCH, keep_matmuls_no_batch, "keep matmuls without batch dims and convs, recompute "
          "the rest (dots_with_no_batch_dims_saveable on the flat graph)",
-         check=functools.partial(check_options, NO_BATCH, defaults={"bitwise": True},
-                                 does=("remat",)))
+         options=KeepMatmulsOptions)

@@ -40,15 +40,16 @@ long as the simulated peak drops.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
+from jaxmem.planners._options import Kind, PlannerOptions, check_options
 from jaxmem.planners._registry import register
-from jaxmem.planners._shared import check_options, finish
+from jaxmem.planners._shared import finish
 from jaxmem.planners.literature._order_ilp import solve_ilp
 from jaxmem.planners.literature._order_problem import OrderProblem
 from jaxmem.plans import plan as plan_lib
@@ -187,11 +188,47 @@ def fine_tune(prob: OrderProblem, order: Sequence[int], time_limit_s: float = 5.
 ### The planners
 
 
-_DEFAULTS: dict[str, Any] = {"time_limit_s": 10.0, "workers": 1, "seed": 0,
-                             "max_size": 400_000, "window": 8, "fine_tune_s": 5.0,
-                             "min_gain": 0.01}
-_BFS_DEFAULTS: dict[str, Any] = {"fine_tune_s": 5.0, "min_gain": 0.01}
-_DFS_DEFAULTS: dict[str, Any] = {"window": 8, "fine_tune_s": 5.0, "min_gain": 0.01}
+@dataclasses.dataclass(frozen=True)
+class OrderBfsOptions(PlannerOptions):
+    """The options of ``order_bfs``; it always reorders.
+
+    Attributes:
+      fine_tune_s: seconds for the fine-tuning pass.
+      min_gain: the least relative peak saving worth moving ops for.
+    """
+
+    always_plans: ClassVar[tuple[Kind, ...]] = ("reorder",)
+
+    fine_tune_s: float = 5.0
+    min_gain: float = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderDfsOptions(OrderBfsOptions):
+    """The options of ``order_dfs``: ``order_bfs``'s and the window.
+
+    Attributes:
+      window: ops per window.
+    """
+
+    window: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderIlpOptions(OrderDfsOptions):
+    """The options of ``order_ilp``: ``order_dfs``'s for the fallback, and the solver's; of
+    the common ones it reads ``time_limit_s`` (the solver's limit, 10 s here) and ``seed``.
+
+    Attributes:
+      workers: CP-SAT threads.
+      max_size: the largest model built, variables and constraints.
+      min_gain: the least relative peak saving worth moving ops for; 0 keeps the ILP's
+        optimum however small its gain.
+    """
+
+    time_limit_s: float = 10.0
+    workers: int = 1
+    max_size: int = 400_000
 
 
 def _worth_it(prob: OrderProblem, order: Sequence[int], min_gain: float
@@ -218,15 +255,16 @@ def _best(prob: OrderProblem, candidates: Mapping[str, Sequence[int]]) -> tuple[
 
 
 def _list_planner(name: str, graph: MemGraph, budget_bytes: int, cost_model: CostModel,
-                  opts: Mapping[str, Any], started: float) -> plan_lib.Plan:
+                  opts: OrderBfsOptions, started: float) -> plan_lib.Plan:
     prob = OrderProblem.from_graph(graph)
-    scheduled = bfs_order(prob) if name == "order_bfs" else dfs_order(prob, opts["window"])
+    scheduled = (dfs_order(prob, opts.window) if isinstance(opts, OrderDfsOptions)
+                 else bfs_order(prob))
     kept, order = _best(prob, {"program order": range(prob.n), name: scheduled})
-    tuned = fine_tune(prob, order, opts["fine_tune_s"])
+    tuned = fine_tune(prob, order, opts.fine_tune_s)
     notes = [f"{name} peak {prob.evaluate(scheduled)[0]:,} B, program order "
              f"{prob.evaluate(range(prob.n))[0]:,} B; kept {kept}, fine-tuned to "
              f"{prob.evaluate(tuned)[0]:,} B"]
-    tuned, why = _worth_it(prob, tuned, opts["min_gain"])
+    tuned, why = _worth_it(prob, tuned, opts.min_gain)
     notes.extend([why] if why else [])
     return finish(graph, budget_bytes, cost_model, planner=name, started=started,
                   order=tuned, notes=notes, log=logger)
@@ -236,11 +274,10 @@ def order_bfs(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
               options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
     """Lifetime-aware BFS list schedule, then fine-tuning (program order if it is better).
 
-    Options: ``fine_tune_s`` (time for the fine-tuning pass, default 5),
-    ``min_gain`` (the least relative peak saving worth moving ops for, default 1%).
+    Options: :class:`OrderBfsOptions`.
     """
     started = time.perf_counter()
-    opts = check_options("order_bfs", options, _BFS_DEFAULTS, does=("reorder",))
+    opts = check_options("order_bfs", options, OrderBfsOptions)
     return _list_planner("order_bfs", graph, budget_bytes, cost_model, opts, started)
 
 
@@ -248,11 +285,10 @@ def order_dfs(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
               options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
     """Memory-aware DFS window schedule, then fine-tuning (program order if it is better).
 
-    Options: ``window`` (ops per window, default 8), ``fine_tune_s`` (default 5),
-    ``min_gain`` (the least relative peak saving worth moving ops for, default 1%).
+    Options: :class:`OrderDfsOptions`.
     """
     started = time.perf_counter()
-    opts = check_options("order_dfs", options, _DFS_DEFAULTS, does=("reorder",))
+    opts = check_options("order_dfs", options, OrderDfsOptions)
     return _list_planner("order_dfs", graph, budget_bytes, cost_model, opts, started)
 
 
@@ -260,13 +296,9 @@ def order_ilp(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
               options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
     """The peak-minimizing order by ILP; BFS/DFS with fine-tuning when it times out.
 
-    Options: ``time_limit_s`` (solver limit, default 10), ``workers`` (CP-SAT
-    threads, default 1), ``seed``, ``max_size`` (largest model built,
-    variables + constraints, default 400,000), ``window`` and ``fine_tune_s``
-    (for the fallback), ``min_gain`` (the least relative peak saving worth
-    moving ops for, default 1%; 0 keeps the ILP's optimum however small its gain).
+    Options: :class:`OrderIlpOptions`.
     """
-    opts = check_options("order_ilp", options, _DEFAULTS, does=("reorder",))
+    opts = check_options("order_ilp", options, OrderIlpOptions)
     started = time.perf_counter()
     prob = OrderProblem.from_graph(graph)
     program = list(range(prob.n))
@@ -274,10 +306,10 @@ def order_ilp(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     # incumbent is never worse, and they are the fallback if it runs out of time.
     heuristics: dict[str, Sequence[int]] = {
         "program order": program, "order_bfs": bfs_order(prob),
-        "order_dfs": dfs_order(prob, opts["window"])}
-    res = solve_ilp(prob, time_limit_s=opts["time_limit_s"], workers=opts["workers"],
-                    seed=opts["seed"], hint=_best(prob, heuristics)[1],
-                    max_size=opts["max_size"])
+        "order_dfs": dfs_order(prob, opts.window)}
+    res = solve_ilp(prob, time_limit_s=opts.time_limit_s, workers=opts.workers,
+                    seed=opts.seed, hint=_best(prob, heuristics)[1],
+                    max_size=opts.max_size)
     notes = [f"ILP: {res.status}, {res.size:,} variables and constraints, {res.wall_s:.2f} s"]
     bound = res.bound_bytes
     if prob.unequal_inplace:
@@ -294,24 +326,24 @@ def order_ilp(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
         if evaluated != res.peak_bytes:
             notes.append(f"ILP objective {res.peak_bytes:,} B, simulated {evaluated:,} B")
         kept, order = _best(prob, {"program order": program, "order_ilp": res.order})
-        order, why = _worth_it(prob, order, opts["min_gain"])
+        order, why = _worth_it(prob, order, opts.min_gain)
         notes.extend([why] if why else [])
         return finish(graph, budget_bytes, cost_model, planner="order_ilp", started=started,
                       order=order, lower_bound=bound, notes=notes, log=logger)
     why = (f"the ILP would have {res.size:,} variables and constraints (max_size "
-           f"{opts['max_size']:,})" if res.status == "too_large"
-           else f"CP-SAT hit its time limit of {opts['time_limit_s']} s "
+           f"{opts.max_size:,})" if res.status == "too_large"
+           else f"CP-SAT hit its time limit of {opts.time_limit_s} s "
                 f"({'with' if res.order else 'without'} a solution)")
     candidates = dict(heuristics)
     if res.order is not None:
         candidates["ILP incumbent"] = res.order
     kept, order = _best(prob, candidates)
-    tuned = fine_tune(prob, order, opts["fine_tune_s"])
+    tuned = fine_tune(prob, order, opts.fine_tune_s)
     logger.info("order_ilp: %s; fell back to the BFS and DFS list schedulers and kept %s "
                    "(peak %s B, %s B after fine-tuning)", why, kept,
                    f"{prob.evaluate(order)[0]:,}", f"{prob.evaluate(tuned)[0]:,}")
     notes.extend(f"{k}: peak {prob.evaluate(v)[0]:,} B" for k, v in candidates.items())
-    tuned, keep_why = _worth_it(prob, tuned, opts["min_gain"])
+    tuned, keep_why = _worth_it(prob, tuned, opts.min_gain)
     notes.extend([keep_why] if keep_why else [])
     return finish(graph, budget_bytes, cost_model, planner="order_ilp", started=started,
                   order=tuned, status="fallback",
@@ -320,10 +352,8 @@ def order_ilp(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
 
 
 register("order_ilp", order_ilp, "peak-minimizing op order by ILP (BFS/DFS fallback)",
-         check=functools.partial(check_options, "order_ilp", defaults=_DEFAULTS, does=("reorder",)))
+         options=OrderIlpOptions)
 register("order_bfs", order_bfs, "lifetime-aware BFS list schedule + fine-tuning",
-         check=functools.partial(check_options, "order_bfs", defaults=_BFS_DEFAULTS,
-                                 does=("reorder",)))
+         options=OrderBfsOptions)
 register("order_dfs", order_dfs, "memory-aware DFS window schedule + fine-tuning",
-         check=functools.partial(check_options, "order_dfs", defaults=_DFS_DEFAULTS,
-                                 does=("reorder",)))
+         options=OrderDfsOptions)

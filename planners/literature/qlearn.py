@@ -45,20 +45,20 @@ can show the convergence.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import random
 import statistics
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Literal, Mapping
 
 import jax
 
 from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._estimate import estimate_time_s
+from jaxmem.planners._options import Kind, PlannerOptions, check_options
 from jaxmem.planners._registry import register
-from jaxmem.planners._shared import check_options, find_residuals, finish
+from jaxmem.planners._shared import find_residuals, finish
 from jaxmem.planners.literature.vdnn import vdnn_decisions
 from jaxmem.plans import plan as plan_lib
 
@@ -68,12 +68,60 @@ State = tuple[int, ...]
 CHOICES: tuple[str, ...] = ("keep", "offload", "remat")
 _REWARDS_NOTE = "episode rewards: "
 
-_DEFAULTS: dict[str, Any] = {
-    "episodes": 300, "steps": None, "alpha": 0.5, "gamma": 0.9, "w": 0.8,
-    "epsilon_start": 1.0, "epsilon_end": 0.05, "seed": 0, "max_types": 6,
-    "choices": ("keep", "offload"), "feedback": "model", "args": None, "kwargs": None,
-    "repeats": 5, "warmup_graph": None, "warmup_episodes": 0, "warmup_args": None,
-}
+
+@dataclasses.dataclass(frozen=True)
+class QLearnOptions(PlannerOptions):
+    """The options of ``qlearn`` (the module docstring says what they mean); of the common
+    ones it reads ``seed``, and it always offloads.
+
+    Attributes:
+      episodes: episodes to learn for (each state is evaluated once, so they are cheap).
+      steps: actions per episode (``None``: the number of layer types, plus one).
+      alpha: the learning rate α.
+      gamma: the discount γ.
+      w: the reward's weight of memory against time, in [0, 1].
+      epsilon_start: ε of the first episode (it decays linearly).
+      epsilon_end: ε of the last episode.
+      max_types: layer types decided, the largest by bytes.
+      choices: the decisions per type, distinct values of :data:`CHOICES` starting with
+        ``"keep"``.
+      feedback: ``"model"`` (the simulator and the cost model) or ``"measure"`` (each
+        plan's emitted step timed on the available backend).
+      args: the step's concrete arguments, for ``"measure"``.
+      kwargs: its keyword arguments, for ``"measure"``.
+      repeats: timed runs per plan, for ``"measure"``.
+      warmup_graph: the step traced with a sub-batch, learned on first.
+      warmup_episodes: episodes on ``warmup_graph``.
+      warmup_args: ``warmup_graph``'s concrete arguments, for ``"measure"``.
+    """
+
+    always_plans: ClassVar[tuple[Kind, ...]] = ("offload",)
+
+    episodes: int = 300
+    steps: int | None = None
+    alpha: float = 0.5
+    gamma: float = 0.9
+    w: float = 0.8
+    epsilon_start: float = 1.0
+    epsilon_end: float = 0.05
+    max_types: int = 6
+    choices: tuple[str, ...] = ("keep", "offload")
+    feedback: Literal["model", "measure"] = "model"
+    args: Any = None
+    kwargs: Mapping[str, Any] | None = None
+    repeats: int = 5
+    warmup_graph: MemGraph | None = None
+    warmup_episodes: int = 0
+    warmup_args: Any = None
+
+    def __post_init__(self) -> None:
+        choices = self.choices
+        if not choices or choices[0] != "keep" or not set(choices) <= set(CHOICES) or len(
+                set(choices)) != len(choices):
+            raise ValueError(f"qlearn choices must start with 'keep' and be distinct values of "
+                             f"{CHOICES}; got {choices!r}")
+        if not 0.0 <= self.w <= 1.0:
+            raise ValueError(f"qlearn w must lie in [0, 1]; got {self.w}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +150,9 @@ class _Env:
     """Plans, their peaks and times, and rewards for one graph (memoized per state)."""
 
     def __init__(self, graph: MemGraph, budget_bytes: int, cost_model: CostModel,
-                 types: tuple[str, ...], opts: dict[str, Any], args: Any) -> None:
+                 types: tuple[str, ...], opts: QLearnOptions, args: Any) -> None:
         self.graph, self.budget, self.cost_model = graph, budget_bytes, cost_model
-        self.choices = tuple(opts["choices"])
+        self.choices = tuple(opts.choices)
         self.res = find_residuals(graph)
         by_type: dict[str, list[int]] = {k: [] for k in types}
         for t in self.res.tensors:
@@ -112,7 +160,7 @@ class _Env:
             if key in by_type:
                 by_type[key].append(t)
         self.members = [by_type[k] for k in types]
-        self.measure = _measurer(graph, args, opts) if opts["feedback"] == "measure" else None
+        self.measure = _measurer(graph, args, opts) if opts.feedback == "measure" else None
         self.memo: dict[State, tuple[int, float]] = {}
         self.peak_keep, self.t_keep = self.evaluate((0,) * len(types))
 
@@ -148,7 +196,7 @@ class _Env:
         return nt + w * (nm - nt)
 
 
-def _measurer(graph: MemGraph, args: Any, opts: dict[str, Any]
+def _measurer(graph: MemGraph, args: Any, opts: QLearnOptions
               ) -> Callable[[plan_lib.Plan], float]:
     """Median wall time of a plan's emitted step on the default backend."""
     from jaxmem import emit as emit_lib
@@ -157,13 +205,13 @@ def _measurer(graph: MemGraph, args: Any, opts: dict[str, Any]
         raise ValueError("qlearn feedback='measure' runs the emitted step, so it needs concrete "
                          "arguments: pass options={'feedback': 'measure', 'args': (...)} (and "
                          "'warmup_args' with a warmup_graph), or use feedback='model'.")
-    call_args, kwargs = tuple(args), dict(opts["kwargs"] or {})
+    call_args, kwargs = tuple(args), dict(opts.kwargs or {})
 
     def measure(plan: plan_lib.Plan) -> float:
         step = jax.jit(emit_lib.emit(graph, plan))
         jax.block_until_ready(step(*call_args, **kwargs))  # compile and warm up
         times = []
-        for _ in range(max(1, int(opts["repeats"]))):
+        for _ in range(max(1, int(opts.repeats))):
             start = time.perf_counter()
             jax.block_until_ready(step(*call_args, **kwargs))
             times.append(time.perf_counter() - start)
@@ -183,17 +231,17 @@ def _types(graph: MemGraph, max_types: int) -> tuple[str, ...]:
 
 
 def _run(env: _Env, q: dict[tuple[State, int], float], episodes: int, steps: int,
-         opts: dict[str, Any], rng: random.Random, rewards: list[float]) -> None:
+         opts: QLearnOptions, rng: random.Random, rewards: list[float]) -> None:
     """Q-learning episodes on ``env``, updating ``q`` and appending mean episode rewards."""
     n_types, n_choices = len(env.members), len(env.choices)
     actions = n_types + 1  # change one type's decision, or stay
     # Rewards lie in [0, 1], so no value exceeds 1 / (1 - gamma): starting every entry
     # there (optimistic initial values) makes the greedy policy try what it has not
     # tried, instead of preferring whatever it happened to update most often.
-    q0 = 1.0 / (1.0 - opts["gamma"]) if opts["gamma"] < 1 else 1.0
+    q0 = 1.0 / (1.0 - opts.gamma) if opts.gamma < 1 else 1.0
     for e in range(episodes):
         frac = e / max(1, episodes - 1)
-        eps = opts["epsilon_start"] + frac * (opts["epsilon_end"] - opts["epsilon_start"])
+        eps = opts.epsilon_start + frac * (opts.epsilon_end - opts.epsilon_start)
         state: State = (0,) * n_types
         got = []
         for _ in range(steps):
@@ -205,10 +253,10 @@ def _run(env: _Env, q: dict[tuple[State, int], float], episodes: int, steps: int
             nxt = state
             if a < n_types:
                 nxt = state[:a] + ((state[a] + 1) % n_choices,) + state[a + 1:]
-            r = env.reward(nxt, opts["w"])
+            r = env.reward(nxt, opts.w)
             future = max(q.get((nxt, b), q0) for b in range(actions))
             old = q.get((state, a), q0)
-            q[(state, a)] = old + opts["alpha"] * (r + opts["gamma"] * future - old)
+            q[(state, a)] = old + opts.alpha * (r + opts.gamma * future - old)
             got.append(r)
             state = nxt
         rewards.append(sum(got) / len(got))
@@ -218,51 +266,36 @@ def learn(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
           options: Mapping[str, Any] | None = None) -> QLearnResult:
     """Learn a swap plan by Q-learning; see the module docstring for the options' meaning.
 
-    Options: ``episodes`` (300: each state is evaluated once, so episodes are
-    cheap), ``steps`` per episode (default: types + 1),
-    ``alpha`` (0.5), ``gamma`` (0.9), ``w`` (0.8), ``epsilon_start`` /
-    ``epsilon_end`` (1.0 / 0.05, linear decay), ``seed``, ``max_types`` (6),
-    ``choices`` (``("keep", "offload")``, any of :data:`CHOICES` starting with
-    ``"keep"``), ``feedback`` (``"model"`` or ``"measure"``), ``args`` /
-    ``kwargs`` / ``repeats`` (for ``"measure"``), ``warmup_graph`` /
-    ``warmup_episodes`` / ``warmup_args``.
+    Options: :class:`QLearnOptions`.
     """
-    opts = check_options("qlearn", options, _DEFAULTS, does=("offload",))
-    if opts["feedback"] not in ("model", "measure"):
-        raise ValueError(f"qlearn feedback must be 'model' or 'measure'; got {opts['feedback']!r}")
-    choices = tuple(opts["choices"])
-    if not choices or choices[0] != "keep" or not set(choices) <= set(CHOICES) or len(
-            set(choices)) != len(choices):
-        raise ValueError(f"qlearn choices must start with 'keep' and be distinct values of "
-                         f"{CHOICES}; got {choices!r}")
-    if not 0.0 <= opts["w"] <= 1.0:
-        raise ValueError(f"qlearn w must lie in [0, 1]; got {opts['w']}")
+    opts = check_options("qlearn", options, QLearnOptions)
+    choices = opts.choices
     started = time.perf_counter()
-    types = _types(graph, int(opts["max_types"]))
-    steps = int(opts["steps"] or len(types) + 1)
-    rng = random.Random(opts["seed"])
+    types = _types(graph, int(opts.max_types))
+    steps = int(opts.steps or len(types) + 1)
+    rng = random.Random(opts.seed)
     q: dict[tuple[State, int], float] = {}
     rewards: list[float] = []
     notes = [f"types: {', '.join(types) or 'none'}; choices: {', '.join(choices)}; "
-             f"feedback: {opts['feedback']}"]
-    warm = opts["warmup_graph"]
-    if warm is not None and opts["warmup_episodes"] > 0:
+             f"feedback: {opts.feedback}"]
+    warm = opts.warmup_graph
+    if warm is not None and opts.warmup_episodes > 0:
         scale = (plan_lib.simulate_plan(warm, plan_lib.unplanned(warm)).peak_bytes
                  / max(1, plan_lib.simulate_plan(graph, plan_lib.unplanned(graph)).peak_bytes))
         warm_env = _Env(warm, int(budget_bytes * scale), cost_model, types, opts,
-                        opts["warmup_args"])
-        _run(warm_env, q, int(opts["warmup_episodes"]), steps, opts, rng, rewards)
-        notes.append(f"warm-up: {opts['warmup_episodes']} episodes on a sub-batch graph")
-    env = _Env(graph, budget_bytes, cost_model, types, opts, opts["args"])
-    _run(env, q, int(opts["episodes"]), steps, opts, rng, rewards)
-    best = max(env.memo, key=lambda s: (env.reward(s, opts["w"]), -env.memo[s][1]))
+                        opts.warmup_args)
+        _run(warm_env, q, int(opts.warmup_episodes), steps, opts, rng, rewards)
+        notes.append(f"warm-up: {opts.warmup_episodes} episodes on a sub-batch graph")
+    env = _Env(graph, budget_bytes, cost_model, types, opts, opts.args)
+    _run(env, q, int(opts.episodes), steps, opts, rng, rewards)
+    best = max(env.memo, key=lambda s: (env.reward(s, opts.w), -env.memo[s][1]))
     decided = ", ".join(f"{k}={choices[c]}" for k, c in zip(types, best)) or "nothing to decide"
     notes.append(f"best state: {decided}; {len(env.memo)} states visited")
     notes.append(_REWARDS_NOTE + ",".join(f"{r:.4f}" for r in rewards))
     p = env.plan(best)
     plan = finish(graph, budget_bytes, cost_model, planner="qlearn", started=started,
                   order=p.order, remat=p.remat, offload=p.offload, notes=notes, log=logger)
-    if opts["feedback"] == "measure":
+    if opts.feedback == "measure":
         plan = plan.replace(predicted_time_s=env.memo[best][1],
                             notes=plan.notes + ("predicted_time_s is the measured step time "
                                                 f"on {jax.default_backend()}",))
@@ -291,4 +324,4 @@ def episode_rewards(plan: plan_lib.Plan) -> tuple[float, ...]:
 
 
 register("qlearn", qlearn, "swap plan by tabular Q-learning over layer types",
-         check=functools.partial(check_options, "qlearn", defaults=_DEFAULTS, does=("offload",)))
+         options=QLearnOptions)

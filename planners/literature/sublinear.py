@@ -53,21 +53,21 @@ The residuals, re-issue points, profile and cuts come from
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import math
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
 
 from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
+from jaxmem.planners._options import Kind, PlannerOptions, check_options
 from jaxmem.planners._registry import register
 from jaxmem.planners._shared import (
     Profile,
     Residuals,
-    check_options,
     estimate_time_s,
     find_residuals,
     finish,
@@ -110,44 +110,77 @@ def _segment_plan(graph: MemGraph, res: Residuals, keep: frozenset[int]
 ### The planners
 
 
-_SUBLINEAR_DEFAULTS = {"rounds": 8, "factor": 2.0, "small_fraction": 0.01, "short_lifetime": 2,
-                       "refine": 12, "bitwise": True, "time_limit_s": None}
+@dataclasses.dataclass(frozen=True)
+class ChenOptions(PlannerOptions):
+    """The options of ``chen``; of the common ones it reads ``bitwise`` (default ``True``:
+    segments recompute the values XLA fuses into summations only where that keeps the
+    plain step's bits, :func:`fused_segments_are_exact`; ``False``: always, see
+    :func:`find_residuals`), and it always recomputes.
+
+    Attributes:
+      segments: segments to cut the candidate cuts into (``None``: ⌈√N⌉ of N).
+      small_fraction: residuals below this share of the largest are kept.
+      short_lifetime: residuals read by the backward pass within this many ops are kept.
+    """
+
+    always_plans: ClassVar[tuple[Kind, ...]] = ("remat",)
+
+    segments: int | None = None
+    small_fraction: float = 0.01
+    short_lifetime: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class SublinearOptions(PlannerOptions):
+    """The options of ``sublinear``; of the common ones it reads ``bitwise`` (as ``chen``)
+    and ``time_limit_s`` (default none: the search and the refinement stop when it is
+    spent, with the best plan so far, and say so in the notes; each round is one
+    simulation, about a second on a ResNet-50), and it always recomputes.
+
+    Attributes:
+      rounds: threshold rounds.
+      factor: the first step of the threshold, halved in the exponent whenever the search
+        turns.
+      small_fraction: residuals below this share of the largest are kept.
+      short_lifetime: residuals read by the backward pass within this many ops are kept.
+      refine: after the search, how many of the costliest recomputed residuals are tried
+        as extra checkpoints; one is kept when the plan still fits (a segment's most
+        expensive op, such as the output projection before the loss, is often worth its
+        memory).
+    """
+
+    always_plans: ClassVar[tuple[Kind, ...]] = ("remat",)
+
+    rounds: int = 8
+    factor: float = 2.0
+    small_fraction: float = 0.01
+    short_lifetime: int = 2
+    refine: int = 12
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.factor <= 1.0 or self.refine < 0:
+            raise ValueError(f"sublinear needs rounds >= 1, factor > 1 and refine >= 0; got "
+                             f"rounds={self.rounds}, factor={self.factor}, refine={self.refine}")
 
 
 def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
               options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
     """Checkpoints by threshold search, each round scored by the allocator simulation.
 
-    Options: ``rounds`` (threshold rounds, default 8), ``factor`` (first step
-    of the threshold, halved in the exponent whenever the search turns),
-    ``small_fraction`` (residuals below this share of the largest are kept),
-    ``short_lifetime`` (residuals read by the backward pass within this many
-    ops are kept), ``refine`` (after the search, how many of the costliest
-    recomputed residuals are tried as extra checkpoints; one is kept when the
-    plan still fits: a segment's most expensive op, such as the output
-    projection before the loss, is often worth its memory), ``bitwise``
-    (default ``True``: segments recompute the values XLA fuses into
-    summations only where that keeps the plain step's bits,
-    :func:`fused_segments_are_exact`; ``False``: always, see
-    :func:`find_residuals`), ``time_limit_s`` (default none: the search and the
-    refinement stop when it is spent, with the best plan so far, and say so in
-    the notes; each round is one simulation, about a second on a ResNet-50).
+    Options: :class:`SublinearOptions`.
 
     >>> # see the module docstring for a graph; options are checked:
     >>> sublinear(None, 0, None, {"round": 3})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: planner 'sublinear' got unknown option(s) ['round']; it accepts [...]...
+    ValueError: planner 'sublinear' got unknown option 'round'; its options (default): ...
     """
-    opts = check_options("sublinear", options, _SUBLINEAR_DEFAULTS, does=("remat",))
-    if opts["rounds"] < 1 or opts["factor"] <= 1.0 or opts["refine"] < 0:
-        raise ValueError(f"sublinear needs rounds >= 1, factor > 1 and refine >= 0; got rounds="
-                         f"{opts['rounds']}, factor={opts['factor']}, refine={opts['refine']}")
+    opts = check_options("sublinear", options, SublinearOptions)
     started = time.perf_counter()
-    deadline = (None if opts["time_limit_s"] is None
-                else started + float(opts["time_limit_s"]))
-    res = find_residuals(graph, fused=fused_segments(graph, opts["bitwise"]))
-    prof = profile(graph, res, cost_model, small_fraction=opts["small_fraction"],
-                   short_lifetime=opts["short_lifetime"])
+    deadline = (None if opts.time_limit_s is None
+                else started + float(opts.time_limit_s))
+    res = find_residuals(graph, fused=fused_segments(graph, opts.bitwise))
+    prof = profile(graph, res, cost_model, small_fraction=opts.small_fraction,
+                   short_lifetime=opts.short_lifetime)
 
     def score(remat: dict[int, tuple[int, ...]]) -> tuple[plan_lib.Plan, Any]:
         p = plan_lib.Plan(order=res.order, remat=remat, offload={}, placement={},
@@ -171,8 +204,8 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     forward_bytes = sum(graph.tensors[t].bytes for t in res.forward)
     cut_bytes = [sum(graph.tensors[t].bytes for t in prof.cuts[i][1]) for i in prof.candidates]
     threshold = math.sqrt(forward_bytes * (float(np.mean(cut_bytes)) if cut_bytes else 1.0))
-    log_step, direction, prev_memory = math.log(opts["factor"]), 1.0, None
-    for r in range(1, opts["rounds"] + 1):
+    log_step, direction, prev_memory = math.log(opts.factor), 1.0, None
+    for r in range(1, opts.rounds + 1):
         if best_rank[0] == 0 and not best.remat:
             break  # the step fits without recomputing anything
         if out_of_time(deadline, rounds, f"the search stopped before round {r}"):
@@ -195,8 +228,8 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
             direction, log_step = -direction, log_step / 2
         prev_memory = memory
         threshold *= math.exp(direction * log_step)
-    if best_rank[0] == 0 and best.remat and opts["refine"]:
-        best = _refine(graph, res, prof, best, best_keep, opts["refine"], budget_bytes, score,
+    if best_rank[0] == 0 and best.remat and opts.refine:
+        best = _refine(graph, res, prof, best, best_keep, opts.refine, budget_bytes, score,
                        rounds, deadline)
     logger.info("sublinear: %d rounds, best plan recomputes %d tensors", len(rounds) - 1,
                 len(best.remat))
@@ -228,26 +261,20 @@ def _refine(graph: MemGraph, res: Residuals, prof: Profile, best: plan_lib.Plan,
     return best
 
 
-_CHEN_DEFAULTS = {"segments": None, "small_fraction": 0.01, "short_lifetime": 2,
-                  "bitwise": True}
-
-
 def chen(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
          options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
     """Chen et al.'s √N checkpointing: ⌈√N⌉ segments of equal length over N candidate cuts.
 
-    Options: ``segments`` (override ⌈√N⌉), ``small_fraction``,
-    ``short_lifetime`` (residuals always kept) and ``bitwise``, as in
-    :func:`sublinear`.
+    Options: :class:`ChenOptions`.
     The plan is fixed by the graph; the budget only decides the status.
     """
-    opts = check_options("chen", options, _CHEN_DEFAULTS, does=("remat",))
+    opts = check_options("chen", options, ChenOptions)
     started = time.perf_counter()
-    res = find_residuals(graph, fused=fused_segments(graph, opts["bitwise"]))
-    prof = profile(graph, res, cost_model, small_fraction=opts["small_fraction"],
-                   short_lifetime=opts["short_lifetime"])
+    res = find_residuals(graph, fused=fused_segments(graph, opts.bitwise))
+    prof = profile(graph, res, cost_model, small_fraction=opts.small_fraction,
+                   short_lifetime=opts.short_lifetime)
     n = len(prof.candidates)
-    segments = opts["segments"] or max(1, math.ceil(math.sqrt(n)))
+    segments = opts.segments or max(1, math.ceil(math.sqrt(n)))
     if segments < 1:
         raise ValueError(f"chen needs segments >= 1; got {segments}")
     stride = max(1, math.ceil(n / segments)) if n else 1
@@ -262,7 +289,6 @@ def chen(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
 
 
 register("sublinear", sublinear, "checkpoints by threshold search over allocator simulations",
-         check=functools.partial(check_options, "sublinear", defaults=_SUBLINEAR_DEFAULTS,
-                                 does=("remat",)))
+         options=SublinearOptions)
 register("chen", chen, "Chen et al.'s sqrt(N) segment checkpointing",
-         check=functools.partial(check_options, "chen", defaults=_CHEN_DEFAULTS, does=("remat",)))
+         options=ChenOptions)

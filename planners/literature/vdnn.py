@@ -35,15 +35,16 @@ before the first backward op).
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import time
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, ClassVar, Iterable, Literal, Mapping
 
 from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
+from jaxmem.planners._options import Kind, PlannerOptions, check_options
 from jaxmem.planners._registry import register
-from jaxmem.planners._shared import Residuals, check_options, find_residuals, finish, remat_points
+from jaxmem.planners._shared import Residuals, find_residuals, finish, remat_points
 from jaxmem.plans import plan as plan_lib
 
 logger = logging.getLogger(__name__)
@@ -125,17 +126,34 @@ def vdnn_decisions(graph: MemGraph, res: Residuals, offload: Iterable[int],
 
 ### The planners
 
-_DEFAULTS = {"ahead": 1}
+@dataclasses.dataclass(frozen=True)
+class VdnnOptions(PlannerOptions):
+    """The options of ``vdnn_all`` and ``vdnn_conv``; they always offload.
+
+    Attributes:
+      ahead: layers between a prefetch and the use of what it fetches.
+    """
+
+    always_plans: ClassVar[tuple[Kind, ...]] = ("offload",)
+
+    ahead: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class VdnnDynamicOptions(VdnnOptions):
+    """The options of ``vdnn_dynamic``: ``vdnn_all``'s; it always offloads and recomputes."""
+
+    always_plans: ClassVar[tuple[Kind, ...]] = ("offload", "remat")
 
 
 def _static(which: Which, graph: MemGraph, budget_bytes: int, cost_model: CostModel,
             options: Mapping[str, Any] | None) -> plan_lib.Plan:
     name = f"vdnn_{which}"
-    opts = check_options(name, options, _DEFAULTS, does=("offload",))
+    opts = check_options(name, options, VdnnOptions)
     started = time.perf_counter()
     res = find_residuals(graph)
     chosen = offload_candidates(graph, res, which)
-    remat, offload = vdnn_decisions(graph, res, chosen, ahead=opts["ahead"])
+    remat, offload = vdnn_decisions(graph, res, chosen, ahead=opts.ahead)
     moved = sum(graph.tensors[t].bytes for t in offload)
     notes = [f"offloads {len(offload)} of {len(res.tensors)} residuals "
              f"({moved:,} of {sum(graph.tensors[t].bytes for t in res.tensors):,} B)"]
@@ -147,7 +165,7 @@ def vdnn_all(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
              options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
     """vDNN_all: offload every residual buffer, prefetch one layer ahead.
 
-    Options: ``ahead`` (layers between the prefetch and the use, default 1).
+    Options: :class:`VdnnOptions`.
     """
     return _static("all", graph, budget_bytes, cost_model, options)
 
@@ -156,7 +174,7 @@ def vdnn_conv(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
               options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
     """vDNN_conv: offload the inputs of forward convolutions only, prefetch one layer ahead.
 
-    Options: ``ahead`` (layers between the prefetch and the use, default 1).
+    Options: :class:`VdnnOptions`.
     """
     return _static("conv", graph, budget_bytes, cost_model, options)
 
@@ -165,9 +183,9 @@ def vdnn_dynamic(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
                  options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
     """vDNN_dyn: the first of none, conv, all that fits; else degrade layers to remat in order.
 
-    Options: ``ahead`` (layers between the prefetch and the use, default 1).
+    Options: :class:`VdnnDynamicOptions`.
     """
-    opts = check_options("vdnn_dynamic", options, _DEFAULTS, does=("offload", "remat"))
+    opts = check_options("vdnn_dynamic", options, VdnnDynamicOptions)
     started = time.perf_counter()
     res = find_residuals(graph)
     trail: list[str] = []
@@ -175,7 +193,7 @@ def vdnn_dynamic(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
 
     def attempt(label: str, offload: list[int], remat: set[int]) -> int:
         nonlocal best
-        r, o = vdnn_decisions(graph, res, offload, remat, opts["ahead"])
+        r, o = vdnn_decisions(graph, res, offload, remat, opts.ahead)
         peak = plan_lib.simulate_plan(graph, plan_lib.Plan(
             order=res.order, remat=r, offload=o, placement={}, planner="vdnn_dynamic",
             budget_bytes=budget_bytes, predicted_peak_bytes=0, predicted_time_s=None)).peak_bytes
@@ -209,11 +227,9 @@ def vdnn_dynamic(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
 
 
 register("vdnn_all", vdnn_all, "vDNN: offload every residual, prefetch one layer ahead",
-         check=functools.partial(check_options, "vdnn_all", defaults=_DEFAULTS, does=("offload",)))
+         options=VdnnOptions)
 register("vdnn_conv", vdnn_conv, "vDNN: offload convolution inputs, prefetch one layer ahead",
-         check=functools.partial(check_options, "vdnn_conv", defaults=_DEFAULTS,
-                                 does=("offload",)))
+         options=VdnnOptions)
 register("vdnn_dynamic", vdnn_dynamic,
          "vDNN dynamic: none, conv, all, then degrade layers to remat until it fits",
-         check=functools.partial(check_options, "vdnn_dynamic", defaults=_DEFAULTS,
-                                 does=("offload", "remat")))
+         options=VdnnDynamicOptions)
