@@ -181,7 +181,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 def cmd_explain(ns: argparse.Namespace) -> int:
     from jaxmem.analysis.explain import explain_graph
-    from jaxmem.plans.schedule import simulate_plan
+    from jaxmem.plans.plan import simulate_plan
 
     step = load_step(ns.step, ns.size, ns.kind)
     config = _config(ns)

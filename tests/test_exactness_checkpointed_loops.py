@@ -31,7 +31,7 @@ from jaxmem.analysis.graph import analyse, build_graph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners import greedy
 from jaxmem.plans import plan as plan_lib
-from jaxmem.plans.schedule import simulate_plan
+from jaxmem.plans.plan import simulate_plan
 from jaxmem.tracing.trace import trace
 
 _cp = jax.checkpoint_policies

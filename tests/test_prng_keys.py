@@ -19,7 +19,7 @@ import jaxmem
 from jaxmem import emit
 from jaxmem.analysis.graph import build_graph
 from jaxmem.plans import plan as plan_lib
-from jaxmem.plans.schedule import simulate_plan
+from jaxmem.plans.plan import simulate_plan
 
 KINDS = ("legacy", "typed", "rbg", "seed", "constant")
 

@@ -25,7 +25,8 @@ from jaxmem.analysis.simulate import simulate
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.cost.measure import report
 from jaxmem.plans import plan as plan_lib
-from jaxmem.plans.schedule import build_schedule, simulate_plan
+from jaxmem.plans.plan import simulate_plan
+from jaxmem.plans.schedule import build_schedule
 
 
 def _vgg():

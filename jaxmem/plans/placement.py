@@ -42,7 +42,8 @@ from typing import Any, Sequence
 import jax
 
 from jaxmem.analysis import simulate
-from jaxmem.plans import plan as plan_lib
+from jaxmem.plans.schedule import Decisions, build_schedule, simulate_schedule, steps_for_plan
+from jaxmem.plans.view import view
 from jaxmem.tracing.trace import value_bytes
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def host_update_group(graph: Any, on_host: Sequence[int]) -> HostGroup:
     decoupled weight decay and ``params + delta`` read the parameters and stay
     on the device (unless the parameters are in ``on_host`` too).
     """
-    v = plan_lib.view(graph)
+    v = view(graph)
     program = getattr(graph, "program", graph)
     nbytes = value_bytes(program)
     mine = frozenset(on_host)
@@ -223,7 +224,7 @@ def update_time_s(graph: Any, cost_model: Any, placed: Sequence[int],
         return time_s
     group = host_update_group(graph, on_host)
     nbytes = value_bytes(getattr(graph, "program", graph))
-    v, ops = plan_lib.view(graph), set(group.ops)
+    v, ops = view(graph), set(group.ops)
     fetched = [t for t in on_host if any(t in v.inputs_of(op) for op in range(v.n_ops)
                                          if op not in ops)]
     down = sum(nbytes[t] for t in group.sent if t not in chosen)
@@ -250,7 +251,7 @@ def host_bytes(graph: Any, placed: Sequence[int]) -> int:
     return 2 * sum(graph.tensors[t].bytes for t in placed)
 
 
-def simulate_placed(graph: Any, plan: plan_lib.Plan) -> simulate.SimResult:
+def simulate_placed(graph: Any, plan: Decisions) -> simulate.SimResult:
     """The device peak of ``plan`` with its placement, as compiled for a compile-only target
     (what :func:`jaxmem.plans.plan.simulate_plan` gives for a plan that places state).
 
@@ -259,12 +260,11 @@ def simulate_placed(graph: Any, plan: plan_lib.Plan) -> simulate.SimResult:
     back to the device), and a placed input only it reads is not prefetched.
     """
     placed = sorted(t for t, where in plan.placement.items() if where == "pinned_host")
-    bare = plan.replace(placement={}, host_update=())
+    sched = build_schedule(graph, plan)
     if not placed:
-        return plan_lib.simulate_plan(graph, bare)
-    sched = plan_lib.build_schedule(graph, bare)
+        return simulate_schedule(graph, sched)
     sizes = dict(sched.sizes())
-    steps = list(plan_lib.steps_for_plan(graph, bare))
+    steps = list(steps_for_plan(graph, plan))
     next_id = max([graph.tensors[-1].id, *sched.tensor_of, *sizes]) + 1
     extra: dict[int, tuple[list[int], list[int]]] = {}  # step index -> (alloc, free)
 

@@ -40,6 +40,27 @@ import types
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from jaxmem.analysis.simulate import SimResult
+from jaxmem.plans import placement as placement_lib, report
+from jaxmem.plans.schedule import (
+    Event as Event,
+    Schedule as Schedule,
+    build_schedule as build_schedule,
+    check_plan as check_plan,
+    simulate_schedule,
+    steps_for_plan as steps_for_plan,
+)
+from jaxmem.plans.view import (
+    CHAIN_PRIMITIVES as CHAIN_PRIMITIVES,
+    NEVER_REISSUED as NEVER_REISSUED,
+    REDUCTIONS as REDUCTIONS,
+    View as View,
+    branch_ops as branch_ops,
+    check_order as check_order,
+    copy_keeps_fusion as copy_keeps_fusion,
+    remat_keeps_fusion as remat_keeps_fusion,
+    view as view,
+)
 from jaxmem.units import format_bytes
 
 Placement = Literal["device", "pinned_host"]
@@ -349,13 +370,11 @@ class Plan:
         >>> png.name, page.name
         ('report.png', 'report.html')
         """
-        from jaxmem.plans.report import write_report
-
         graph = self.graph if graph is None else graph
         if graph is None:
             raise ValueError(_NO_GRAPH.format(planner=self.planner))
         budget = self.budget_bytes if budget_bytes is None else int(budget_bytes)
-        return write_report(graph, self, path, budget)
+        return report.write_report(graph, self, path, budget)
 
     def summary(self, graph: Any = None, top: int = 8) -> str:
         """A few lines for a terminal: status, budget vs prediction, the decisions.
@@ -501,24 +520,12 @@ def unplanned(graph: Any, planner: str = "none", budget_bytes: int = 0,
                 predicted_peak_bytes=predicted_peak_bytes, predicted_time_s=None, **fields)
 
 
-# The schedule and the view live in their own modules; these names are part of
-# the plan's interface (``steps_for_plan`` is what the simulator consumes).
-from jaxmem.plans.schedule import (  # noqa: E402
-    Event as Event,
-    Schedule as Schedule,
-    build_schedule as build_schedule,
-    check_plan as check_plan,
-    simulate_plan as simulate_plan,
-    steps_for_plan as steps_for_plan,
-)
-from jaxmem.plans.view import (  # noqa: E402
-    CHAIN_PRIMITIVES as CHAIN_PRIMITIVES,
-    NEVER_REISSUED as NEVER_REISSUED,
-    REDUCTIONS as REDUCTIONS,
-    View as View,
-    branch_ops as branch_ops,
-    check_order as check_order,
-    copy_keeps_fusion as copy_keeps_fusion,
-    remat_keeps_fusion as remat_keeps_fusion,
-    view as view,
-)
+def simulate_plan(graph: Any, plan: Plan) -> SimResult:
+    """Simulate ``plan`` on ``graph``: the device peak it should compile to.
+
+    A plan that places state on pinned host is simulated with its placement
+    (:func:`jaxmem.plans.placement.simulate_placed`).
+    """
+    if any(where == "pinned_host" for where in plan.placement.values()):
+        return placement_lib.simulate_placed(graph, plan)
+    return simulate_schedule(graph, build_schedule(graph, plan))

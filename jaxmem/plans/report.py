@@ -33,6 +33,7 @@ from typing import Any, Mapping, Sequence
 
 from jaxmem.analysis import simulate as sim
 from jaxmem.analysis.explain import describe
+from jaxmem.plans import schedule
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +133,6 @@ def host_bytes(graph: Any, plan: Any, sched: Any) -> tuple[int, ...]:
 
 def before_and_after(graph: Any, plan: Any) -> tuple[Timeline, Timeline]:
     """The timelines of the program order and of ``plan`` (device by role, and host)."""
-    from jaxmem.plans import schedule
-
     steps = sim.steps_for_order(graph)
     before = dataclasses.replace(timeline(graph, steps), host=(0,) * len(steps))
     sched = schedule.build_schedule(graph, plan)

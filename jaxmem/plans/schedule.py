@@ -1,8 +1,9 @@
 """The schedule a plan implies: re-issues, copies and the device versions they create.
 
-:func:`build_schedule` unrolls a :class:`~jaxmem.plans.plan.Plan` over the program
-into :class:`Event` s; the emitter executes them and :func:`simulate_plan`
-hands them to the simulator, so what is simulated is what is emitted.
+:func:`build_schedule` unrolls a plan's :class:`Decisions` (a
+:class:`~jaxmem.plans.plan.Plan`) over the program into :class:`Event` s; the
+emitter executes them and :func:`simulate_schedule` hands them to the simulator,
+so what is simulated is what is emitted.
 
 >>> import jax, jax.numpy as jnp
 >>> from jaxmem.analysis.graph import build_graph
@@ -16,18 +17,37 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import TYPE_CHECKING, Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Protocol
 
+from jax.extend import core as jcore
+
+from jaxmem.analysis import simulate
 from jaxmem.plans.view import REDUCTIONS, View, check_order, view
-
-if TYPE_CHECKING:
-    from jaxmem.analysis import simulate
-    from jaxmem.plans.plan import Plan
 
 EventKind = Literal["op", "remat", "fused", "offload", "prefetch"]
 
 
-def check_plan(v: View, plan: Plan) -> None:
+class Decisions(Protocol):
+    """A plan's decisions, as a schedule and the simulation of its placement read them
+    (:class:`jaxmem.plans.plan.Plan` has them, documented there)."""
+
+    @property
+    def order(self) -> tuple[int, ...]: ...
+
+    @property
+    def remat(self) -> Mapping[int, tuple[int, ...]]: ...
+
+    @property
+    def offload(self) -> Mapping[int, int]: ...
+
+    @property
+    def placement(self) -> Mapping[int, str]: ...
+
+    @property
+    def host_update(self) -> tuple[int, ...]: ...
+
+
+def check_plan(v: View, plan: Decisions) -> None:
     """Raise ``ValueError`` naming the first way ``plan`` does not fit the program."""
     check_order(v, plan.order)
     pos = {op: i for i, op in enumerate(plan.order)}
@@ -143,9 +163,7 @@ class Schedule:
         return out
 
     def _aligned(self, t: int) -> int:
-        from jaxmem.analysis.simulate import aligned  # imported lazily, as in steps()
-
-        return aligned(self.view.bytes[t], self.view.alignment)
+        return simulate.aligned(self.view.bytes[t], self.view.alignment)
 
     def _companion_sizes(self) -> dict[int, int]:
         """Sizes of the originals charged companions (``View.extra_bytes``), in a plan with
@@ -226,10 +244,8 @@ class Schedule:
             peak = max(peak, live)
         return peak
 
-    def steps(self) -> "list[simulate.Step]":
+    def steps(self) -> list[simulate.Step]:
         """The schedule as simulator steps (inputs alive from the start)."""
-        from jaxmem.analysis import simulate
-
         v = self.view
         last = self.last_reads()
         keep = {r for r in self.final if r is not None}
@@ -273,7 +289,7 @@ REFRESH_MASKS = True
 REFRESH_STALE_FUSED = True
 
 
-def build_schedule(graph_or_view: Any, plan: Plan) -> Schedule:
+def build_schedule(graph_or_view: Any, plan: Decisions) -> Schedule:
     """Unroll ``plan`` into a :class:`Schedule` (the emitter and the simulator both read it).
 
     Consumers read the newest version of each input. An unmaterialized input
@@ -448,37 +464,23 @@ def build_schedule(graph_or_view: Any, plan: Plan) -> Schedule:
                     remat_keys=frozenset(plan.remat))
 
 
-def steps_for_plan(graph: Any, plan: Plan) -> "list[simulate.Step]":
+def steps_for_plan(graph: Any, plan: Decisions) -> list[simulate.Step]:
     """The plan's schedule as simulator steps; copies get ids past ``len(graph.tensors)``.
 
     Arguments and outputs are accounted as XLA does (``simulate.xla_accounting``).
     Pass ``build_schedule(graph, plan).sizes()`` as ``sizes`` to
-    ``simulate.simulate_steps`` (or call :func:`simulate_plan`).
+    ``simulate.simulate_steps`` (or call :func:`simulate_schedule`).
     """
     return _accounted(graph, build_schedule(graph, plan))
 
 
-def simulate_plan(graph: Any, plan: Plan) -> "simulate.SimResult":
-    """Simulate ``plan`` on ``graph``: the device peak it should compile to.
-
-    A plan that places state on pinned host is simulated with its placement
-    (:func:`jaxmem.plans.placement.simulate_placed`).
-    """
-    from jaxmem.analysis import simulate
-
-    if any(where == "pinned_host" for where in plan.placement.values()):
-        from jaxmem.plans import placement  # placement imports this module
-
-        return placement.simulate_placed(graph, plan)
-    sched = build_schedule(graph, plan)
+def simulate_schedule(graph: Any, sched: Schedule) -> simulate.SimResult:
+    """Simulate ``sched`` on ``graph``: the device peak it should compile to, with every input
+    where the caller put it (``jaxmem.plans.plan.simulate_plan`` adds a plan's placement)."""
     return simulate.simulate_steps(graph, _accounted(graph, sched), sizes=sched.sizes())
 
 
-def _accounted(graph: Any, sched: Schedule) -> "list[simulate.Step]":
-    from jax.extend import core as jcore
-
-    from jaxmem.analysis import simulate
-
+def _accounted(graph: Any, sched: Schedule) -> list[simulate.Step]:
     steps = sched.steps()
     outputs: list[int | None] = []
     for atom, version in zip(graph.program.jaxpr.jaxpr.outvars, sched.final):
