@@ -1,17 +1,19 @@
 """The package's import graph: the pipeline's stages import only the stages below them, no
-cycle among module-level imports, and JAX's internals (``jax._src``) read in one
-compatibility module only, so that a JAX release that moves them breaks one file.
+cycle among imports, and JAX's internals (``jax._src``) read in one compatibility module
+only, so that a JAX release that moves them breaks one file.
 
-The cycle check reads module-level imports (an import inside a function runs when the
-function does, after every module is loaded); the stage check reads every import, in
-functions too. ``from jaxmem.plans import plan`` is an edge to ``jaxmem.plans.plan``, not to
-the package.
+The stage check and one cycle check read every import: in functions and under
+``if TYPE_CHECKING:`` too (an import a function makes, or a type-only one, still ties two
+modules together, whatever order they load in); a second cycle check reads the
+module-level imports alone, those that run when a module loads.
+``from jaxmem.plans import plan`` is an edge to ``jaxmem.plans.plan``, not to the package.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+from typing import Iterable
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Where each package's modules live (pyproject.toml's package-dir).
@@ -44,21 +46,26 @@ def _imported(node: ast.AST, name: str, path: pathlib.Path) -> set[str]:
     return {base} | {f"{base}.{a.name}" for a in node.names}
 
 
+def _edges(tree: ast.Module, name: str, path: pathlib.Path, modules: Iterable[str],
+           everywhere: bool) -> set[str]:
+    """The modules of ``modules`` that module ``name`` (parsed into ``tree``) imports: at module
+    level, or ``everywhere`` (in functions and under ``if TYPE_CHECKING:`` too)."""
+    known = set(modules)
+    edges: set[str] = set()
+    for node in ast.walk(tree) if everywhere else tree.body:
+        names = _imported(node, name, path)
+        submodules = {n for n in names if n in known and n != name}
+        # `from jaxmem.plans import plan` names the module jaxmem.plans.plan, not the package
+        edges |= {n for n in submodules if not any(
+            other.startswith(n + ".") for other in submodules)}
+    return edges
+
+
 def _graph(everywhere: bool = False) -> dict[str, set[str]]:
-    """Module -> the modules it imports: at module level, or ``everywhere`` (in functions too)."""
+    """Module -> the modules it imports: at module level, or ``everywhere`` (see ``_edges``)."""
     modules = _modules()
-    graph = {}
-    for name, path in modules.items():
-        edges: set[str] = set()
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree) if everywhere else tree.body:
-            names = _imported(node, name, path)
-            submodules = {n for n in names if n in modules and n != name}
-            # `from jaxmem.plans import plan` names the module jaxmem.plans.plan, not the package
-            edges |= {n for n in submodules if not any(
-                other.startswith(n + ".") for other in submodules)}
-        graph[name] = edges
-    return graph
+    return {name: _edges(ast.parse(path.read_text()), name, path, modules, everywhere)
+            for name, path in modules.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -158,6 +165,37 @@ def test_the_planners_have_no_cycle_counting_every_import():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _described(graph: dict[str, set[str]], cycle: list[str]) -> str:
+    """A cycle's imports, one by one: ``a imports b; b imports a``."""
+    return "; ".join(f"{m} imports {n}" for m in cycle for n in sorted(graph[m]) if n in cycle)
+
+
+def test_no_cycle_counting_every_import():
+    graph = _graph(everywhere=True)
+    cycles = _cycles(graph)
+    assert not cycles, (
+        "import cycles, counting imports in functions and under TYPE_CHECKING (move what both "
+        "modules need into a module below them, or the caller's side into the module above):\n"
+        + "\n".join(_described(graph, c) for c in cycles))
+
+
+def test_the_everywhere_graph_reads_imports_in_functions_and_under_type_checking():
+    tree = ast.parse("from typing import TYPE_CHECKING\n"
+                     "if TYPE_CHECKING:\n"
+                     "    from jaxmem.plans.plan import Plan\n"
+                     "def f():\n"
+                     "    from jaxmem.plans import report\n")
+    name, path = "jaxmem.plans.schedule", PACKAGES["jaxmem"] / "plans" / "schedule.py"
+    assert _edges(tree, name, path, _modules(), everywhere=True) == {
+        "jaxmem.plans.plan", "jaxmem.plans.report"}
+    assert _edges(tree, name, path, _modules(), everywhere=False) == set()
+
+
+def test_a_cycle_is_described_by_its_imports():
+    graph = {"a": {"b", "c"}, "b": {"a"}, "c": set()}
+    assert _described(graph, _cycles(graph)[0]) == "a imports b; b imports a"
 
 
 def test_jax_internals_are_read_in_the_compatibility_module_only():
