@@ -82,6 +82,13 @@ def is_prng_key(dtype: Any) -> bool:
         return False
 
 
+def is_threefry_key(dtype: Any) -> bool:
+    """Whether ``dtype`` is a threefry PRNG key (``key<fry>``, JAX's default), whose
+    ``random_bits`` XLA computes by hashing a counter with the key: an elementwise kernel
+    (other implementations, ``rbg``, call XLA's bit generator)."""
+    return is_prng_key(dtype) and getattr(dtype, "name", None) == "key<fry>"
+
+
 def is_extended(dtype: Any) -> bool:
     """Whether ``dtype`` is a JAX extended dtype (PRNG keys among them), not a NumPy one."""
     try:

@@ -217,17 +217,19 @@ def _resimulated(graph: Any, plan: plan_lib.Plan) -> tuple[int, str]:
 
 
 # A random mask's source (see :func:`masked_sums`).
-_RANDOM_BITS = frozenset({"random_bits", "threefry2x32"})
+_RANDOM_BITS = frozenset({"random_bits", "rng_bit_generator", "threefry2x32"})
 
 
 def masked_sums(graph: Any) -> frozenset[int]:
-    """Buffers that apply a random mask (dropout) and that a reduction reads.
+    """Values that apply a random mask (dropout) and that a reduction reads.
 
-    A buffer (``Tensor.materialized``) made by an elementwise op (dropout's
-    ``select_n``, ``mask * x / keep``, the residual sum ``x + dropout(h)`` it is fused
-    into) one of whose operands is computed from ``random_bits`` through values XLA
-    fuses, and read by a reduction directly or through fused values (views,
-    elementwise ops).
+    A value made by an elementwise op (dropout's ``select_n``, ``mask * x / keep``, the
+    residual sum ``x + dropout(h)`` it is fused into) one of whose operands is a random
+    mask, or a value XLA fuses from one, and read by a reduction directly or through
+    fused values (views, elementwise ops). A mask is ``random_bits`` or computed from
+    them and constants alone (the comparison ``bits < keep``), whether XLA keeps it as a
+    buffer or not; the mask itself is not a masked value: re-issued, it hashes the same
+    bits again.
     A masked value only matmuls read (attention-probability dropout) is not one:
     its re-issue stays a buffer of its own.
     """
@@ -235,26 +237,43 @@ def masked_sums(graph: Any) -> frozenset[int]:
     from jaxmem.plans.view import REDUCTIONS
 
     tensors, ops = graph.tensors, graph.ops
-    random: dict[int, bool] = {}
+    kind: dict[int, str] = {}  # tensor -> "mask", "constant" or "data"
 
-    def from_random(t: int) -> bool:
-        """Whether ``t`` is random bits, or fused from them."""
+    def kind_of(t: int) -> str:
+        """Whether ``t`` is a random mask, a constant (made from literals alone) or data."""
+        todo = [t]
+        while todo:
+            u = todo[-1]
+            made = tensors[u].producer
+            if made is None:  # an argument, or a constant the step closes over
+                kind[u] = "constant" if tensors[u].role == "const" else "data"
+            elif ops[made].primitive in _RANDOM_BITS:
+                kind[u] = "mask"
+            else:
+                pending = [w for w in ops[made].inputs if w not in kind]
+                if pending:
+                    todo.extend(pending)
+                    continue
+                kinds = {kind[w] for w in ops[made].inputs}
+                kind[u] = ("mask" if kinds == {"mask"} or kinds == {"mask", "constant"}
+                           else "constant" if kinds <= {"constant"} else "data")
+                if kind[u] == "mask" and not is_fusible(ops[made].primitive):
+                    kind[u] = "data"
+            todo.pop()
+        return kind[t]
+
+    def from_mask(t: int) -> bool:
+        """Whether ``t`` is a random mask, or fused from one."""
         todo, seen = [t], set()
         while todo:
             u = todo.pop()
             if u in seen:
                 continue
             seen.add(u)
-            if u in random:
-                if random[u]:
-                    return True
-                continue
-            made = tensors[u].producer
-            if made is None:
-                continue
-            if ops[made].primitive in _RANDOM_BITS:
+            if kind_of(u) == "mask":
                 return True
-            if not tensors[u].materialized:
+            made = tensors[u].producer
+            if made is not None and not tensors[u].materialized:
                 todo.extend(ops[made].inputs)
         return False
 
@@ -277,14 +296,7 @@ def masked_sums(graph: Any) -> frozenset[int]:
         if not is_fusible(op.primitive) or len(op.outputs) != 1:
             continue
         t = op.outputs[0]
-        if not tensors[t].materialized:
-            continue
-        masked = False
-        for u in op.inputs:
-            if u not in random:
-                random[u] = from_random(u)
-            masked = masked or random[u]
-        if masked and summed(t):
+        if kind_of(t) != "mask" and any(from_mask(u) for u in op.inputs) and summed(t):
             out.add(t)
     return frozenset(out)
 

@@ -260,18 +260,22 @@ def test_xla_accounting_rewrites_any_liveness_schedule():
     assert 0 in live[1].free and all(0 not in s.free for s in steps_for_order(g))
 
 
-@pytest.mark.parametrize("name,policy", [("mlp", "none"), ("gpt2", "full")])
-def test_prediction_is_within_ten_percent_of_the_compiled_step(name, policy):
+@pytest.mark.parametrize("name,size,policy,tolerance", [
+    ("mlp", "tiny", "none", 0.10), ("gpt2", "tiny", "full", 0.10),
+    # GPT-2 with its dropouts: counting the 32-bit random bits as kept for the backward
+    # pass, not the boolean masks, over-predicted this step by 13%
+    ("gpt2", "small", "none", 0.03)])
+def test_prediction_is_close_to_the_compiled_step(name, size, policy, tolerance):
     import jaxmem.models as zoo
     from jaxmem.cost.calibrate import compare
 
-    zs = zoo.build(name, "tiny", policy=policy)
+    zs = zoo.build(name, size, policy=policy)
     try:
         row = compare(zs.fn, *zs.args, target="h100", donate_argnums=zs.donate_argnums,
                       arg_roles=zs.arg_roles)
     except RuntimeError as err:  # no CUDA plugin: the compile-only target is unavailable
         pytest.skip(str(err))
-    assert abs(row.error) <= 0.10, row
+    assert abs(row.error) <= tolerance, row
 
 
 def test_offline_packing_shares_offsets_of_disjoint_live_ranges():
@@ -304,3 +308,58 @@ def test_unplanned_plan_simulates_like_the_graph_with_pool_companions(name):
                       arg_roles=z.arg_roles), "h100")
     assert any(t.extra_bytes for t in g.tensors)
     assert plan_lib.simulate_plan(g, plan_lib.unplanned(g)).peak_bytes == simulate(g).peak_bytes
+
+
+def _flax_dropout(h, key):
+    keep = jax.random.bernoulli(key, 0.9, h.shape)
+    return jax.lax.select(keep, h / 0.9, jnp.zeros_like(h))
+
+
+def _haiku_dropout(h, key):
+    keep = jax.random.bernoulli(key, 0.9, h.shape)
+    return h * keep.astype(h.dtype) / 0.9
+
+
+def _uniform_dropout(h, key):
+    return jnp.where(jax.random.uniform(key, h.shape) > 0.1, h, 0.0) / 0.9
+
+
+def _two_dropouts(h, key):
+    k1, k2 = jax.random.split(key)
+    return _flax_dropout(_flax_dropout(h, k1), k2)
+
+
+def _legacy_key_dropout(h, key):
+    return _flax_dropout(h, jax.random.wrap_key_data(jax.random.key_data(key)))
+
+
+def _rng_buffers(dropout):
+    """(dtype, producer primitive) of the buffers of a dropout layer's gradient step that
+    hold random bits or a value computed from them."""
+    from jaxmem.analysis.materialize import RNG
+
+    def loss(w, x, key):
+        return jnp.sum(jnp.tanh(dropout(jnp.tanh(x @ w), key) @ w))
+
+    g = build_graph(jax.value_and_grad(loss), jnp.ones((8, 8)), jnp.ones((16, 8)),
+                    jax.random.key(0))
+    from_bits: set[int] = set()
+    for op in g.ops:
+        if op.primitive in RNG or any(t in from_bits for t in op.inputs):
+            from_bits.update(op.outputs)
+    return sorted((str(t.dtype), g.ops[t.producer].primitive) for t in g.tensors
+                  if t.materialized and t.id in from_bits and t.producer is not None
+                  and t.shape == (16, 8))
+
+
+@pytest.mark.parametrize("dropout", [_flax_dropout, _haiku_dropout, _uniform_dropout,
+                                     _two_dropouts, _legacy_key_dropout],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_dropout_mask_is_the_buffer_its_two_passes_read(dropout):
+    """Threefry bits are hashed inside the kernel that reads them; the boolean mask the
+    forward and backward pass both apply is kept, not the 32-bit bits nor a float copy of
+    the mask (materialization rule 11). Masked values themselves stay buffers."""
+    masks = [b for b in _rng_buffers(dropout) if b[0] == "bool"]
+    assert len(masks) == (2 if dropout is _two_dropouts else 1), _rng_buffers(dropout)
+    assert not [b for b in _rng_buffers(dropout) if b[0] == "uint32" or b[1] ==
+                "convert_element_type"], _rng_buffers(dropout)

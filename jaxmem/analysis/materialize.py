@@ -10,7 +10,7 @@ bytes that never existed. The rules here, and the evidence behind them, are in
 
 1. Program inputs and outputs, and the outputs of operations XLA cannot fuse
    into a consumer (matmuls, convolutions, reductions, sorts, scatters, loops,
-   RNG bit generation, custom calls) are buffers.
+   XLA's bit generator, custom calls) are buffers.
 2. An elementwise/layout value is a buffer only if some consumer cannot read it
    through a fusion: a matmul/convolution/loop/custom call operand that is not a
    pure view (reshape/transpose/squeeze of a buffer), or an op in
@@ -29,6 +29,12 @@ bytes that never existed. The rules here, and the evidence behind them, are in
 10. An elementwise value of two or more large buffers (a residual stream's
     sum) that a reduction reads, and other kernels too, is a buffer: the
     reduction's fusion writes it as a second output.
+11. Random bits of a threefry key (JAX's default) are a counter hashed with the
+    key, computed inside the kernel that reads them. A value fused from random
+    bits (of any key) that two or more kernels read, such as a dropout mask the
+    forward and backward pass both apply, is a buffer, written once by the first
+    kernel: XLA does not compute the bits again in each reader. A mask converted
+    to floats for a product is written before the convert, which each reader does.
 
 An activation converted for a matmul (mixed precision) is converted inside
 the GEMM kernel (rule 2's exception).
@@ -251,6 +257,7 @@ def decide(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], producer: Sequence[int | 
     nbytes = _tensor_bytes(jaxpr, ids, n)
     reduced = _read_by_reduction(eqns, ids, rep, consumers, nbytes)
     reads: dict[int, frozenset[int]] = {}  # buffers a fused value is computed from, so far
+    from_bits: set[int] = set()  # fused values computed from threefry bits (rule 11)
 
     def buffers_read(eqn: jcore.JaxprEqn) -> frozenset[int]:
         out: set[int] = set()
@@ -274,8 +281,11 @@ def decide(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], producer: Sequence[int | 
         # parameter is computed once and shared by the forward and backward matmuls.
         gemm_fusible = prim in GEMM_OPERAND_FUSIBLE and not any(
             _is_var(v) and producer[rep[ids[v]]] is None for v in eqn.invars)
-        if not is_fusible(prim) or is_host(out_aval) or (prim == "device_put" and any(
-                _is_var(u) and is_host(u.aval) for u in eqn.invars)):
+        key: Any = eqn.invars[0] if prim == "random_bits" else None  # (a ShapedArray's aval)
+        counter_bits = key is not None and _compat.is_threefry_key(key.aval.dtype)
+        if not (is_fusible(prim) or counter_bits) or is_host(out_aval) or (
+                prim == "device_put" and any(_is_var(u) and is_host(u.aval)
+                                             for u in eqn.invars)):
             materialized[t] = True  # unfusible, or a copy between memory spaces
         elif any(eqns[c].primitive.name in MATERIALIZING_CONSUMERS
                  and not (gemm_fusible and eqns[c].primitive.name in GEMMS)
@@ -286,11 +296,24 @@ def decide(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], producer: Sequence[int | 
             # Rule 10: a sum of two large buffers (a residual stream) that a reduction
             # reads and other kernels read too is written out by the reduction's fusion.
             large = [b for b in sources if 2 * nbytes[b] >= nbytes[t] > 0]
+            bits_in = [rep[ids[v]] for v in eqn.invars if _is_var(v) and (
+                rep[ids[v]] in from_bits or _made_by(eqns, producer, rep[ids[v]], _BITS))]
             if prim in ELEMENTWISE and len(large) >= 2 and reduced[t] \
                     and len(consumers[t]) >= 2:
                 materialized[t] = True
+            elif (counter_bits or bits_in) and len(consumers[t]) >= 2:  # rule 11
+                single = bits_in[0] if len(bits_in) == 1 and len(consumers[bits_in[0]]) == 1 \
+                    and not materialized[bits_in[0]] else None
+                if prim == "convert_element_type" and single is not None:
+                    # each reader converts the narrower mask itself
+                    materialized[single] = True
+                    reads[t] = frozenset({single})
+                else:
+                    materialized[t] = True
             else:
                 reads[t] = sources
+                if counter_bits or bits_in:
+                    from_bits.add(t)
     # A transpose of a buffer that only matmuls read is read in place (cuBLAS takes either
     # layout); it views that buffer.
     for t in range(n):
@@ -331,6 +354,16 @@ def decide(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], producer: Sequence[int | 
             else:
                 srcs[t] = read
     return Decision(tuple(materialized), tuple(alias), tuple(srcs))
+
+
+# Random bits, of any PRNG implementation (rule 11).
+_BITS = frozenset({"random_bits", "rng_bit_generator"})
+
+
+def _made_by(eqns: Sequence[jcore.JaxprEqn], producer: Sequence[int | None], t: int,
+             primitives: frozenset[str]) -> bool:
+    p = producer[t]
+    return p is not None and eqns[p].primitive.name in primitives
 
 
 # Reductions XLA fuses an elementwise producer into (an input fusion), for rule 10.
