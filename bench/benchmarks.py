@@ -124,14 +124,14 @@ SECTIONS = (
         "budgets from the unplanned step's compiled peak down by 0.8 until it cannot fit, and "
         "once more at the smallest budget the failure named. A point is "
         "won when `cpsat`'s plan fits the budget and its estimated time is within 1% of the "
-        "fastest rival that fits. `llama` (bf16) is planned with `--not-bitwise`: a bitwise "
-        "plan of a 16-bit step cannot recompute its softmax and norms (docs/exactness.md).",
+        "fastest rival that fits. Every model is planned under the default `jaxmem.Config`: "
+        "`llama` (bf16) keeps its bits where a bit-exact plan fits and is recomputed as "
+        "`jax.checkpoint` would where none does (`bitwise='auto'`, docs/exactness.md).",
         "\n".join([
             f"PEERS={PEERS}",
             f"for m in {' '.join(SWEPT)}; do",
-            "  nb=$([ $m = llama ] && echo --not-bitwise || true)",
             "  python -m bench --models $m --size bench --step train --planners $PEERS,cpsat \\",
-            "      --sweep --time-limit-s 60 --out $OUT/$m/sweep $nb",
+            "      --sweep --time-limit-s 60 --out $OUT/$m/sweep",
             "done"]),
         _render_sweeps),
     Section(
