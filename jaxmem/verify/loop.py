@@ -154,7 +154,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
     seen: set[str] = set()
     overshoot = 0
     fitting_time_s: float | None = None  # estimate of the fastest alternative that fits
-    memo: dict[Any, Any] = {}  # the planner's, through the rounds (planners.COMMON_OPTIONS)
+    memo: dict[Any, Any] = {}  # the planner's, through the rounds (PlannerOptions.memo)
     planned_s = 0.0  # planner wall time in this loop, against config.time_limit_s
     overrun_s = 0.0  # the most a planner call took over its limit
     out_of_time: tuple[str, ...] = ()
