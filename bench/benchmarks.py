@@ -106,6 +106,11 @@ def _render_text(root: str, folder: str) -> str:
         return "```\n" + source.read().rstrip() + "\n```"
 
 
+def _render_markdown(root: str, folder: str) -> str:
+    with open(os.path.join(root, folder, "output.txt"), encoding="utf-8") as source:
+        return source.read().rstrip()
+
+
 SECTIONS = (
     Section(
         "main", "The default model: every stock policy and every planner",
@@ -146,6 +151,20 @@ SECTIONS = (
         f"{LITERATURE},cpsat > $OUT/output.txt \\\n"
         "  || echo \"exit status $?: some step differs\" >> $OUT/output.txt",
         _render_text),
+    Section(
+        "bf16", "16-bit steps: distance from the plain step, against the stock policies",
+        "Two bf16 gradient steps at tiny sizes, the zoo's `llama` (Flax linen) and a GPT "
+        "written with Flax NNX: every stock policy applied to each layer, and jaxmem under "
+        "the default `jaxmem.Config` at each stock policy's compiled bytes, planned for H100 "
+        "and run on the CPU. *ulps*: the largest difference of the loss and gradients from "
+        "the plain step's, in bf16 ulps of each output's largest magnitude. A `bit-exact` "
+        "plan keeps the plain step's arithmetic as XLA compiles it for H100; XLA:CPU fuses "
+        "otherwise, so on the CPU it may differ too (docs/exactness.md). A `relaxed` plan "
+        "recomputes as `jax.checkpoint` would, where no bit-exact plan fits.",
+        "python -m bench.bf16 > $OUT/output.txt \\\n"
+        "  || echo \"exit status $?: a plan missed its budget or is further than the stock "
+        "policies\" >> $OUT/output.txt",
+        _render_markdown),
 )
 
 _HEADER = """\
