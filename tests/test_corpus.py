@@ -33,23 +33,9 @@ MIN_DECIDED_DEFAULT = 0.6
 MIN_DECIDED_MATRIX = 0.45
 
 # Known failures in the library, by cause: {cause: [(step, planner, budgets), ...]}, budgets
-# ALL or a tuple of labels; from the matrix of chen, sublinear, keep_matmuls and blocks over
-# every step at 50% and 10%, run on 2026-11-26 (python -m tests.corpus --planners ...).
-MEAN_SUM = ("re-issuing a LayerNorm's mean sum where the variance is computed in two passes "
-            "(equinox_gpt_block chen: remat {169: (338,)} alone; haiku_attention_embed "
-            "sublinear 50%: remat {113: (229,)} alone) changes a kernel's gradient by up to "
-            "0.5 ulps; the re-issued sum is a kernel of its own in both steps, as in the plain "
-            "one (not a reduction fused into a lone reader: jaxmem.planners._principles."
-            "refused_reductions keeps it); the cause is not found yet")
+# ALL or a tuple of labels (python -m tests.corpus --planners ... lists them). None is known.
 ALL = "*"
-KNOWN: dict[str, list[tuple[str, str, str | tuple[str, ...]]]] = {
-    MEAN_SUM: [
-        ("equinox_gpt_block", "chen", ALL),
-        ("haiku_attention_embed", "sublinear", ("50%",)),
-        # re-issues the same mean sum (t113) among six values; not bisected alone
-        ("haiku_attention_embed", "greedy", ("10%",)),
-    ],
-}
+KNOWN: dict[str, list[tuple[str, str, str | tuple[str, ...]]]] = {}
 # cpsat's solves here stop at their deterministic limit (corpus.TIME_LIMIT_S), but its
 # heuristics and warm-start repairs still run against the wall clock (a generous one), so
 # its known failures are marked xfail without strict. Every other planner's are strict.

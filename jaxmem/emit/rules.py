@@ -3,7 +3,10 @@ reader folds or fuses, where a re-issued chain may be tied (a mixin of the inter
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Sequence
+
+from jax.extend import core as jcore
 
 from jaxmem.analysis import materialize as mat
 from jaxmem.emit.bind import (
@@ -17,6 +20,11 @@ from jaxmem.emit.pins import (
 )
 from jaxmem.plans import plan as plan_lib
 
+# Reductions that JAX starts from the identity of their operation: XLA's simplifier
+# replaces one whose output has as many elements as its operand (each output reduces a
+# single element, every reduced axis has size 1) by a reshape (see _reshaping_reduction).
+_IDENTITY_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
+
 
 class _FusionRules:
     """Predicates on the program and schedule for :class:`~jaxmem.emit.interpreter._Interpreter`
@@ -25,6 +33,7 @@ class _FusionRules:
     # Set by the interpreter: in __init__, and per run for the caches.
     view: plan_lib.View
     schedule: plan_lib.Schedule
+    eqns: Sequence[jcore.JaxprEqn]
     nbytes: list[int]
     made_by: dict[int, plan_lib.Event]
     _extra_tensor: dict[int, int]
@@ -199,7 +208,7 @@ class _FusionRules:
         operand's chain is recomputed after the tie for the product to see.
         """
         tensor = self._tensor(version)
-        if not self.view.materialized[tensor] or self._primitive(version) in LAYOUT_PRIMITIVES:
+        if not self.view.materialized[tensor] or self._layout(version):
             # A layout op's readers are rewritten through it whatever its other readers
             # (a multiply by a converted mask becomes a select; a broadcast is recomputed
             # in each reader): the chain's start is tied (see _start_of_chain).
@@ -223,6 +232,37 @@ class _FusionRules:
     def _primitive(self, version: int) -> str | None:
         ev = self.made_by.get(version)
         return None if ev is None else self.view.primitives[_event_op(ev)]
+
+    def _reshaping_reduction(self, op: int) -> bool:
+        """Whether ``op`` is a reduction that XLA's simplifier replaces by a reshape.
+
+        A reduction whose every output reduces one element (a sum over an axis of size
+        1: ``jnp.var``'s gradient sums the cotangent of its ``keepdims`` mean over the
+        normalized axis it kept) is a reshape of its operand to the simplifier, which
+        then rewrites its readers together with the chain the operand is computed
+        through: a constant scaling after it folds with the one before it. A tie on its
+        output stops that: a LayerNorm's variance gradient, ``2 * (x - mean)`` times the
+        cotangent divided by N and summed over its axis of size 1, was scaled by
+        ``(ct * 0.0625) * 2`` where the plain step folds ``ct * 0.125``, and LLVM then
+        contracted another product of the residual's gradient into a fused multiply-add
+        (a kernel gradient off by up to half an ulp on XLA:CPU).
+        """
+        if self.view.primitives[op] not in _IDENTITY_REDUCTIONS:
+            return False
+        eqn = self.eqns[op]
+        if len(eqn.invars) != 1 or len(eqn.outvars) != 1:
+            return False
+        size = [math.prod(getattr(v.aval, "shape", ())) for v in (eqn.invars[0], eqn.outvars[0])]
+        return size[0] == size[1]
+
+    def _layout(self, version: int) -> bool:
+        """Whether ``version``'s producer is a layout op to the simplifier: a layout
+        primitive, or a reduction it replaces by a reshape (:meth:`_reshaping_reduction`)."""
+        ev = self.made_by.get(version)
+        if ev is None:
+            return False
+        op = _event_op(ev)
+        return self.view.primitives[op] in LAYOUT_PRIMITIVES or self._reshaping_reduction(op)
 
     def _folds_layout(self, version: int) -> bool:
         """Whether the simplifier folds a transpose of ``version`` into its producer.
@@ -271,7 +311,8 @@ class _FusionRules:
     def _operand_if_transparent(self, version: int) -> int | None:
         """The one operand of ``version``'s producer if the simplifier looks through it."""
         ev = self.made_by.get(version)
-        if ev is None or not _transparent(self.view.primitives[_event_op(ev)]):
+        if ev is None or not (_transparent(self.view.primitives[_event_op(ev)])
+                              or self._reshaping_reduction(_event_op(ev))):
             return None
         # A value made of literals only counts as one (``ones * x`` is ``x`` to it).
         reads = list(dict.fromkeys(r for r in ev.reads if r is not None and not self._constant(r)))
