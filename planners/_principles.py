@@ -498,6 +498,75 @@ def without_refused_reductions(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan
         "its own where several read it, and the two sum in other orders")
 
 
+def refused_fused_copies(graph: Any, plan: plan_lib.Plan) -> frozenset[int]:
+    """Re-issued buffers of cheap elementwise ops some copy of which only re-issued ops
+    read, all of them ops XLA:CPU fuses it into.
+
+    In the plain step XLA writes such a value (``Tensor.materialized``: a residual sum
+    ``x + f(x)``) to a buffer, and the kernels of its readers load it. A copy that only
+    re-issued elementwise ops and reductions read (the next LayerNorm's mean, variance
+    and centred input, recomputed for the backward pass) has no reader XLA:CPU cannot
+    fuse it into, and XLA:CPU computes it inside each of their kernels. The arithmetic is
+    the same, the kernels are not: LLVM vectorizes a kernel with the extra op another way
+    and leaves the operands of a sum of two products in the other order, and the backend
+    contracts the other product into a fused multiply-add. On a two-block pre-LayerNorm
+    residual step (``tests/test_exactness_residual_layernorm.py``) the residual sum
+    re-issued with the centred input of the second LayerNorm's variance moved 334
+    elements of the first block's gradients by up to an ulp; without FMA
+    (``--xla_cpu_max_isa=AVX``) the two agreed, and each of the two re-issues alone was
+    exact. A no-op ``reduce_precision`` (``_kept_written``) keeps a copy out of a library
+    fusion, not out of a loop fusion, so the buffer's re-issue is dropped and its readers
+    read the first copy, as in the plain step.
+    """
+    if not plan.remat:
+        return frozenset()
+    from jaxmem.analysis.materialize import VIEWS, is_cheap
+    from jaxmem.plans.view import REDUCTIONS
+
+    view = plan_lib.view(graph)
+
+    def cheap(t: int) -> bool:
+        op = view.producer[t]
+        return (op is not None and is_cheap(view.primitives[op])
+                and view.primitives[op] not in VIEWS)
+
+    candidates = {t for t in plan.remat if graph.tensors[t].materialized and cheap(t)}
+    if not candidates:
+        return frozenset()
+    schedule = plan_lib.build_schedule(view, plan)
+    readers = _live_readers(schedule)
+    events = schedule.events
+
+    def fusing_reissue(i: int) -> bool:
+        ev = events[i]
+        if ev.kind not in ("remat", "fused") or ev.op is None:
+            return False
+        primitive = view.primitives[ev.op]
+        return primitive in REDUCTIONS or is_cheap(primitive)
+
+    out = set()
+    for ev in events:
+        if ev.kind != "remat":
+            continue
+        for w in ev.writes:
+            if w is None or schedule.tensor(w) not in candidates:
+                continue
+            read = readers.get(w, set())
+            if read and w not in schedule.final and all(fusing_reissue(i) for i in read):
+                out.add(schedule.tensor(w))
+    return frozenset(out)
+
+
+def without_refused_fused_copies(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
+    """``plan`` without re-issues of :func:`refused_fused_copies`, re-simulated."""
+    return _without_reissues(
+        graph, plan, sorted(refused_fused_copies(graph, plan)),
+        "elementwise buffers only re-issued ops read",
+        "XLA:CPU would compute the copy inside the kernels of its readers, where the plain "
+        "step reads a buffer, and LLVM contracts other products into fused multiply-adds "
+        "there")
+
+
 def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool = True
                ) -> plan_lib.Plan:
     """``plan`` under the rules of the module docstring that follow planning: no decision on
@@ -508,6 +577,7 @@ def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool =
         return plan
     plan = without_masked_sums(graph, plan)
     plan = with_scaled_operands(graph, plan)
+    plan = without_refused_fused_copies(graph, plan)
     return without_refused_reductions(graph, plan)
 
 
