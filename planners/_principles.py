@@ -19,6 +19,10 @@ The registry (:func:`jaxmem.planners.register`) wraps each planner function so t
   and the plan re-simulated. A fused constant re-issued inside a recomputed segment
   is kept: it is recomputed from its literals, which XLA folds as in the plain step
   (the segment planners rely on it);
+* no plan re-issues a PRNG key's data (:func:`key_tensors`: a key, its split or
+  folded keys, the words of their data): a key is a few bytes, so its re-issue frees
+  nothing, and it moves where XLA computes the random bits from it (a re-issued
+  Equinox dropout key changed 1e-7 of the gradients under XLA:CPU 0.12);
 * under ``bitwise=True``, a re-issued product also re-issues its operands that
   scale a matmul's output by a constant (:func:`scaled_operands`), or the
   re-issued copy would multiply in another order than the plain step; so does a
@@ -32,6 +36,9 @@ The registry (:func:`jaxmem.planners.register`) wraps each planner function so t
   its gradient's sums), where the plain step reads a buffer, and the fused sums
   add in another order: GPT-2's embedding dropout re-issued changed 56,838 of its
   gradient elements. The re-issue is dropped and the plan re-simulated;
+* under ``bitwise=True``, no plan re-issues a cheap elementwise buffer whose copy only
+  re-issued fused ops read (:func:`refused_fused_copies`): XLA:CPU computes the copy
+  inside their kernels, and LLVM contracts another product into a fused multiply-add;
 * under ``bitwise=True``, no plan re-issues a reduction that XLA:CPU would then compute
   otherwise than in the plain step (:func:`refused_reductions`): inside the loop of its
   one reader where the plain step gives it a kernel of its own, or the other way round
@@ -97,6 +104,32 @@ def fits_as_written(graph: Any, name: str, budget_bytes: int, cost_model: Any,
         notes=(f"the step as written fits: {peak / _MiB:,.2f} MiB simulated against a budget of "
                f"{budget_bytes / _MiB:,.2f} MiB; returned unplanned (no re-issue, copy or "
                f"reordering)",))
+
+
+# Operations on PRNG keys and their data (see :func:`key_tensors`).
+_KEY_OPS = frozenset({"random_seed", "random_wrap", "random_unwrap", "random_split",
+                      "random_fold_in"})
+
+
+def key_tensors(graph: Any) -> frozenset[int]:
+    """PRNG keys and their data: outputs of key operations (``random_split``,
+    ``random_unwrap``, ...), and of layout ops (an ``unstack`` of split keys, a slice) whose
+    inputs are all such tensors."""
+    keys: set[int] = set()
+    for op in graph.ops:  # jaxpr order: an op's inputs are decided before it
+        if op.primitive in _KEY_OPS or (op.inputs and (
+                op.primitive in mat.LAYOUT or op.primitive == "unstack")
+                and all(t in keys for t in op.inputs)):
+            keys.update(op.outputs)
+    return frozenset(keys)
+
+
+def without_key_reissues(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
+    """``plan`` without re-issues of :func:`key_tensors`, re-simulated."""
+    dropped = sorted(set(plan.remat) & key_tensors(graph)) if plan.remat else []
+    return _without_reissues(
+        graph, plan, dropped, "PRNG keys or their data",
+        "a key is a few bytes, and its re-issue moves where XLA computes the random bits")
 
 
 def without_constant_decisions(graph: Any, plan: plan_lib.Plan, cost_model: Any
@@ -570,9 +603,10 @@ def without_refused_fused_copies(graph: Any, plan: plan_lib.Plan) -> plan_lib.Pl
 def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool = True
                ) -> plan_lib.Plan:
     """``plan`` under the rules of the module docstring that follow planning: no decision on
-    constants; under ``bitwise``, no re-issued masked sum, the scaled operands added, and no
-    re-issued reduction XLA:CPU would compute elsewhere than the plain step."""
-    plan = without_constant_decisions(graph, plan, cost_model)
+    constants, no re-issued key; under ``bitwise``, no re-issued masked sum, the scaled
+    operands added, no re-issued copy XLA:CPU fuses into re-issued readers, and no re-issued
+    reduction XLA:CPU would compute elsewhere than the plain step."""
+    plan = without_key_reissues(graph, without_constant_decisions(graph, plan, cost_model))
     if not bitwise:
         return plan
     plan = without_masked_sums(graph, plan)

@@ -110,3 +110,17 @@ def test_linen_dropout_read_by_a_layernorm_is_not_reissued(planner):
     # Without bitwise the planner re-issues it: the rule, not the budget, leaves it out.
     loose = _plan(step, args, planner, 0.7, bitwise=False)
     assert set(loose.remat) & masked, loose.summary()
+
+
+def test_no_plan_reissues_a_prng_key():
+    """A plan that re-issues a dropout's key data (8 bytes) has the re-issue dropped: it
+    frees nothing and moves where XLA computes the random bits (greedy re-issued the
+    Equinox step's key under jax 0.12, and XLA:CPU changed its gradients)."""
+    step, args = _equinox_style()
+    g = build_graph(step, *args, target="cpu")
+    keys = sorted(t for t in _principles.key_tensors(g) if g.tensors[t].consumers)
+    assert keys, "the step's keys are no longer found"
+    reissued = plan_lib.unplanned(g).replace(
+        remat={t: (max(g.tensors[t].consumers),) for t in keys})
+    kept = _principles.made_exact(g, reissued, cost_model=None)
+    assert not kept.remat and any("PRNG keys" in note for note in kept.notes), kept.notes
