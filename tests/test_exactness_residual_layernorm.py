@@ -19,8 +19,8 @@ import pytest
 import jaxmem
 from jaxmem import emit
 from jaxmem.analysis.graph import build_graph
+from jaxmem.planners._principles import refused_fused_copies
 from jaxmem.plans import plan as plan_lib
-from planners._principles import refused_fused_copies
 
 _OPTIONS = jaxmem.targets.get("cpu").for_bitwise(True).compiler_options
 
@@ -107,9 +107,12 @@ def test_residual_sum_reissued_with_the_centred_input_is_refused_and_the_plan_ex
 
 # Known to differ, not from a re-issue: cpsat's plan at 0.9 of the CPU peak re-issues
 # nothing (offloads and order only) and 13 gradient elements change; not investigated.
+# cpsat's heuristics run against the wall clock, so on a busy machine it may plan otherwise
+# (and keep the bits): a known case may pass.
 _KNOWN = {("cpu", 0.9, "cpsat")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["cpu", "h100"])
 @pytest.mark.parametrize("fraction", [0.9, 0.6, 0.3])
 def test_every_planner_keeps_the_bits_of_the_pre_layernorm_step(target, fraction):
@@ -123,4 +126,4 @@ def test_every_planner_keeps_the_bits_of_the_pre_layernorm_step(target, fraction
         plan = jaxmem.optimize(step, config=config).plan(*args)
         if _differing(expected, _run(emit.emit(plan.graph, plan), args)):
             differing.add((target, fraction, name))
-    assert differing == {k for k in _KNOWN if k[:2] == (target, fraction)}
+    assert differing <= {k for k in _KNOWN if k[:2] == (target, fraction)}, differing
