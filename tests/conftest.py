@@ -62,6 +62,10 @@ KNOWN_ON_CURRENT_JAX = {
         "operand",
         "tests/test_block_detection.py::test_blocks_plan_of_an_nnx_gpt_lowers_its_peak_and_runs_bitwise",
         "tests/test_nnx_steps.py::test_a_plain_nnx_step_plans_at_half_its_unplanned_peak_on_h100",
+        # The MLP's gelu product re-issued alone: its tie sits before the dropout's division
+        # (a fused value since the masks are counted as XLA keeps them), 2 ulps on 0.12.
+        "tests/test_exactness_corpus_reissues.py::test_value_reissued_for_its_weight_gradient_"
+        "keeps_the_bits[equinox_gpt_block]",
     ],
     CPU_REMAT_BYTES: [
         "tests/test_cpu_target_fits.py::test_jax_checkpoint_saves_cpu_memory_only_when_remat_is_kept",
