@@ -21,17 +21,17 @@ def main(argv: Sequence[str] | None = None, *, builder: Callable[..., Any] | Non
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = _options.parse(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from bench.environment import command, now, write_run
+    from bench.environment import command, commit, now, write_run
     from bench.output import frontier_plot, pareto_plot, table
     from bench.runner import run
 
-    started, clock = now(), time.monotonic()
+    started, clock, revision = now(), time.monotonic(), commit()
     try:
         records = run(opts, builder=builder)
     except ValueError as err:
         print(f"python -m bench: error: {err}", file=sys.stderr)
         return 2
-    write_run(opts.out, started, time.monotonic() - clock, command=command(argv))
+    write_run(opts.out, started, time.monotonic() - clock, revision, command=command(argv))
     print(table(records))
     print(f"results: {os.path.join(opts.out, 'results.jsonl')}")
     if opts.plot:

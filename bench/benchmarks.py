@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import jaxmem.planners as registry
 from bench import acceptance, markdown
-from bench.environment import now, write_run
+from bench.environment import commit, now, write_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDS = os.path.join("bench", "records")
@@ -218,6 +218,7 @@ def page(root: str = ROOT, sections: Sequence[Section] = SECTIONS) -> str:
 def run(section: Section, root: str = ROOT) -> None:
     """Run one section's script into a fresh ``bench/records/KEY`` and write its run.json."""
     folder = os.path.join(RECORDS, section.key)
+    revision = commit(root)  # before the run replaces the section's committed records
     shutil.rmtree(os.path.join(root, folder), ignore_errors=True)
     os.makedirs(os.path.join(root, folder))
     started, clock = now(), time.monotonic()
@@ -226,7 +227,7 @@ def run(section: Section, root: str = ROOT) -> None:
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     subprocess.run(["bash", "-euo", "pipefail", "-c", section.script], cwd=root, env=env,
                    check=True)
-    write_run(os.path.join(root, folder), started, time.monotonic() - clock, root=root,
+    write_run(os.path.join(root, folder), started, time.monotonic() - clock, revision,
               script=section.script)
 
 

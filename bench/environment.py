@@ -61,11 +61,11 @@ def command(argv: Sequence[str], module: str = "bench") -> str:
     return shlex.join(["python", "-m", module, *argv])
 
 
-def write_run(out: str, started: str, wall_s: float, root: str = ".", **what: str) -> str:
+def write_run(out: str, started: str, wall_s: float, revision: str | None, **what: str) -> str:
     """Write ``OUT/run.json``: ``what`` made the records (``command=`` or ``script=``), when,
-    for how long, at which commit of ``root``, with which versions, on which machine;
-    returns its path."""
-    info = {**what, "started": started, "wall_s": round(wall_s, 1), "commit": commit(root),
+    for how long, at which commit (``revision``, :func:`commit` taken before the run wrote
+    anything), with which versions, on which machine; returns its path."""
+    info = {**what, "started": started, "wall_s": round(wall_s, 1), "commit": revision,
             "versions": versions(), "machine": machine()}
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "run.json")
