@@ -66,6 +66,10 @@ KNOWN_ON_CURRENT_JAX = {
         # (a fused value since the masks are counted as XLA keeps them), 2 ulps on 0.12.
         "tests/test_exactness_corpus_reissues.py::test_value_reissued_for_its_weight_gradient_"
         "keeps_the_bits[equinox_gpt_block]",
+        # A LayerNorm's mean sum, or centred input, re-issued alone: exact on 0.10.2 with the
+        # emitter's ties and the principles, 1-2 ulps on 0.12.
+        "tests/test_exactness_layernorm_variance.py::test_mean_sum_reissued_for_the_variance_",
+        "tests/test_exactness_residual_layernorm.py::test_residual_sum_reissued_with_the_centred_",
     ],
     CPU_REMAT_BYTES: [
         "tests/test_cpu_target_fits.py::test_jax_checkpoint_saves_cpu_memory_only_when_remat_is_kept",
