@@ -1,5 +1,6 @@
-"""Re-issues and host copies that XLA:CPU used to compile into other arithmetic than the plain
-step, on corpus steps (``tests/corpus``): each plan here must give ``jax.jit(step)``'s bits.
+"""Re-issues and host copies that XLA:CPU would compile into other arithmetic than the plain
+step unless the emitter kept them apart, on corpus steps (``tests/corpus``): each plan here must
+give ``jax.jit(step)``'s bits.
 
 * a matmul's output that a transpose reads (``jax.vmap`` of an ``eqx.nn.Linear``): XLA folds
   the transpose into the matmul (a matmul with its operands swapped) only while it is the
