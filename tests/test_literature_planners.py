@@ -266,7 +266,12 @@ def test_fused_segments_are_exact_on_32_bit_steps_and_close_on_16_bit_ones(
     assert _ulps_of_largest(reference, outputs[True]) == 0
     assert _ulps_of_largest(reference, outputs[False]) <= max_ulps
     if exact_when_fused:
-        assert plans[True].remat == plans[False].remat
+        # The same segments; the bit-exact plan only drops the re-issues that the bitwise
+        # rules refuse (planners/_principles.py), and says so.
+        exact, loose = plans[True].remat, plans[False].remat
+        assert all(loose.get(t) == points for t, points in exact.items())
+        assert len(exact) == len(loose) or any(
+            note.startswith("dropped the re-issues") for note in plans[True].notes)
     else:
         assert plans[False].predicted_peak_bytes < plans[True].predicted_peak_bytes
 
