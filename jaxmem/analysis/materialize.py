@@ -257,7 +257,7 @@ def decide(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], producer: Sequence[int | 
     nbytes = _tensor_bytes(jaxpr, ids, n)
     reduced = _read_by_reduction(eqns, ids, rep, consumers, nbytes)
     reads: dict[int, frozenset[int]] = {}  # buffers a fused value is computed from, so far
-    from_bits: set[int] = set()  # fused values computed from threefry bits (rule 11)
+    from_bits: set[int] = set()  # fused values computed from random bits (rule 11)
 
     def buffers_read(eqn: jcore.JaxprEqn) -> frozenset[int]:
         out: set[int] = set()
