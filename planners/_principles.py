@@ -270,30 +270,13 @@ def masked_sums(graph: Any) -> frozenset[int]:
     from jaxmem.plans.view import REDUCTIONS
 
     tensors, ops = graph.tensors, graph.ops
-    kind: dict[int, str] = {}  # tensor -> "mask", "constant" or "data"
-
-    def kind_of(t: int) -> str:
-        """Whether ``t`` is a random mask, a constant (made from literals alone) or data."""
-        todo = [t]
-        while todo:
-            u = todo[-1]
-            made = tensors[u].producer
-            if made is None:  # an argument, or a constant the step closes over
-                kind[u] = "constant" if tensors[u].role == "const" else "data"
-            elif ops[made].primitive in _RANDOM_BITS:
-                kind[u] = "mask"
-            else:
-                pending = [w for w in ops[made].inputs if w not in kind]
-                if pending:
-                    todo.extend(pending)
-                    continue
-                kinds = {kind[w] for w in ops[made].inputs}
-                kind[u] = ("mask" if kinds == {"mask"} or kinds == {"mask", "constant"}
-                           else "constant" if kinds <= {"constant"} else "data")
-                if kind[u] == "mask" and not is_fusible(ops[made].primitive):
-                    kind[u] = "data"
-            todo.pop()
-        return kind[t]
+    constant = constant_tensors(graph)
+    masks: set[int] = set()  # random bits, and what XLA fuses from them and constants alone
+    for op in ops:  # jaxpr order: an op's inputs are decided before it
+        if op.primitive in _RANDOM_BITS or (
+                is_fusible(op.primitive) and any(t in masks for t in op.inputs)
+                and all(t in masks or t in constant for t in op.inputs)):
+            masks.update(op.outputs)
 
     def from_mask(t: int) -> bool:
         """Whether ``t`` is a random mask, or fused from one."""
@@ -303,7 +286,7 @@ def masked_sums(graph: Any) -> frozenset[int]:
             if u in seen:
                 continue
             seen.add(u)
-            if kind_of(u) == "mask":
+            if u in masks:
                 return True
             made = tensors[u].producer
             if made is not None and not tensors[u].materialized:
@@ -329,7 +312,7 @@ def masked_sums(graph: Any) -> frozenset[int]:
         if not is_fusible(op.primitive) or len(op.outputs) != 1:
             continue
         t = op.outputs[0]
-        if kind_of(t) != "mask" and any(from_mask(u) for u in op.inputs) and summed(t):
+        if t not in masks and any(from_mask(u) for u in op.inputs) and summed(t):
             out.add(t)
     return frozenset(out)
 
