@@ -190,8 +190,10 @@ class _Interpreter(_FusionRules):
         # offloaded tensors whose copy must finish before the next op
         pending_host: list[int] = []
         # offloaded tensor -> chain its prefetch recomputes (first, where the copy is of a
-        # transposed matmul output: ("untranspose", its permutation))
+        # matmul output in another form: ("untranspose", its permutation) or ("reshape",
+        # its shape))
         offloaded: dict[int, list[Any]] = {}
+        copy_of: dict[int, int] = {}      # offloaded tensor -> the version its copy is of
         pending_pins: list[int] = []      # versions to tie into the next op
         scope_env: dict[int, dict[Any, Any]] = {}
         last_real: int | None = None
@@ -308,10 +310,12 @@ class _Interpreter(_FusionRules):
                     (t,), (w,) = ev.tensors, ev.writes
                     assert w is not None  # a prefetch writes its new device version
                     chain, fetched = offloaded[t], jax.device_put(host[t], jax.memory.Space.Device)
-                    if chain and isinstance(chain[0], tuple):  # a transposed copy (see below)
-                        fetched = jax.lax.transpose(fetched, _inverse(chain[0][1]))
+                    if chain and isinstance(chain[0], tuple):  # a copy of another form (below)
+                        fetched = _unform(fetched, *chain[0])
                         chain = chain[1:]
-                    self._replay(chain, fetched, w, env)
+                    root = copy_of[t]
+                    self._replay(chain, fetched, w, env,
+                                 self.made_by[root] if self._folds_layout(root) else None)
                 elif (source := folded[id(ev)]) is not None and remat_reads:
                     (w,) = [w for w in ev.writes if w is not None]
                     env[w] = env[source]
@@ -378,6 +382,7 @@ class _Interpreter(_FusionRules):
                 (t,), (copied,) = ev.tensors, ev.reads
                 assert copied is not None  # an offload reads the device version it copies
                 root, offloaded[t] = self._tie_point(copied, unfetched, buffers_only=False)
+                copy_of[t] = root
                 value = env[root]
                 folding = self._folding_transpose(root)
                 if folding is not None:
@@ -388,6 +393,12 @@ class _Interpreter(_FusionRules):
                     value = self._issue_first(folding, env)
                     offloaded[t] = [("untranspose", self.eqns[folding].params["permutation"]),
                                     *offloaded[t]]
+                elif (form := self._dot_form(root)) is not None:
+                    # The copy of a batched matmul's output is of the matmul XLA computes
+                    # (merged free dimensions), so that a reduction still merges the
+                    # reshape to the output (see _dot_form).
+                    offloaded[t] = [("reshape", value.shape), *offloaded[t]]
+                    value = jax.lax.reshape(value, form)
                 host[t] = jax.device_put(value, jax.memory.Space.Host)
                 pending_host.append(t)
             for w in op_event.writes:
@@ -531,21 +542,28 @@ class _Interpreter(_FusionRules):
                 self.made_by[w] = ev
                 self.issued_at[w] = len(self.issued_at)
 
-    def _replay(self, chain: list[int], root: Any, w: int, env: dict[int, Any]) -> None:
+    def _replay(self, chain: list[int], root: Any, w: int, env: dict[int, Any],
+                made: plan_lib.Event | None = None) -> None:
         """Set ``env[w]`` to the end of ``chain`` (see :meth:`_tie_point`) recomputed from ``root``.
 
         The recomputed values get fresh version ids, so a later tie can walk the
-        chain up to ``root`` as it walks any other.
+        chain up to ``root`` as it walks any other. ``made``: the matmul that made the
+        value ``root`` is a copy of, which the rules then read it as (a prefetched
+        matmul output is the matmul's output to XLA: see :meth:`_folded_into_reader`).
         """
         if not chain:
             env[w] = root
             self.issued_at[w] = len(self.issued_at)
+            if made is not None:
+                self.made_by[w] = made
             return
         start = self._operand_if_transparent(chain[0])
         assert start is not None
         prev = self._fresh(self._tensor(start))
         env[prev] = root
         self.issued_at[prev] = len(self.issued_at)
+        if made is not None:
+            self.made_by[prev] = made
         for k, c in enumerate(chain):
             ev, operand = self.made_by[c], self._operand_if_transparent(c)
             new = w if k == len(chain) - 1 else self._fresh(self._tensor(c))
@@ -599,3 +617,11 @@ class _Interpreter(_FusionRules):
         (out,) = bind_equation(self.eqns[op], invals)
         self._issued[(op, tuple(map(id, invals)))] = (invals, [out])
         return out
+
+
+def _unform(fetched: Any, kind: str, arg: Sequence[int]) -> Any:
+    """A prefetched copy of a matmul's output back in the output's form (``kind`` is
+    ``"untranspose"`` with the copy's permutation, or ``"reshape"`` with the shape)."""
+    if kind == "untranspose":
+        return jax.lax.transpose(fetched, _inverse(arg))
+    return jax.lax.reshape(fetched, tuple(arg))

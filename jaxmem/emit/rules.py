@@ -166,6 +166,34 @@ class _FusionRules:
         (op,) = self._reader_ops(tensor)
         return op if self.view.primitives[op] == "transpose" else None
 
+    def _dot_form(self, version: int) -> tuple[int, ...] | None:
+        """The shape XLA computes ``version``'s matmul in, where it is not the output's.
+
+        XLA computes a ``dot_general`` whose operands have several free dimensions
+        (``(8, 8, 32) @ (32, 16)``) as one matmul over each operand's free dimensions
+        merged, reshaped to the output (``(64, 16)`` to ``(8, 8, 16)``). The simplifier
+        merges that reshape into a reduction that reads the output, and XLA:CPU's tree
+        reduction rewriter splits the longer sum (64 rows, into two of 32) where it
+        leaves a sum over two axes of 8 whole: the bias gradient of a LayerNorm after a
+        matmul, summed over batch and sequence. A host copy of the output between the two (a barrier
+        on the CPU) stops the merge, and the sum adds in another order; a copy of the
+        merged value, reshaped back after the prefetch, leaves the reshape to the
+        reduction (see :meth:`_folded_into_reader` for ties).
+        """
+        if self._primitive(version) != "dot_general":
+            return None
+        eqn = self.eqns[_event_op(self.made_by[version])]
+        (contract, batch) = eqn.params["dimension_numbers"]
+        free = []
+        for side, operand in enumerate(eqn.invars):
+            kept = set(contract[side]) | set(batch[side])
+            free.append([d for k, d in enumerate(getattr(operand.aval, "shape", ()))
+                         if k not in kept])
+        if all(len(f) < 2 for f in free):
+            return None
+        out = getattr(eqn.outvars[0].aval, "shape", ())
+        return (*out[:len(batch[0])], *(math.prod(f) for f in free if f))
+
     def _folded_transpose(self, ev: plan_lib.Event, env: dict[int, Any]) -> int | None:
         """The first version of the transpose ``ev`` re-issues, where the simplifier folds it
         into the matmul it reads; else None.
