@@ -35,6 +35,13 @@ CPU_REMAT_BYTES = ("XLA:CPU 0.12 keeps recomputations under the exact compiler o
 CPU_OFFLOAD_BITS = ("on XLA:CPU 0.12 the offloads vDNN plans on the tiny GPT-2 train step change "
                     "its bits (on 0.10.2 they keep them); cause not established: host copies "
                     "are tied with the barriers that 0.12 expands after scheduling")
+# On 0.12, 11 of the pre-LayerNorm residual step's 22 single offloads (each prefetched before
+# its last reader) change its bits, 0 of 24 on 0.10.2; the compiled programs differ in their
+# fusions only (a product of an offloaded matmul output, fused into its readers in the plain
+# step, is a kernel of its own).
+CPU_OFFLOAD_FUSION = ("on XLA:CPU 0.12 a host copy is tied with barriers that 0.12 expands after "
+                      "scheduling, and XLA fuses the values around it otherwise than in the "
+                      "plain step")
 RELAXED_BF16 = ("on XLA 0.12 the relaxed plans of this bf16 step compile higher for h100 than "
                 "its bit-exact ones (6,325,116 B against 5,817,980 B): no budget between")
 # jaxmem.cost.hlo's byte count of a scan on h100 differs from XLA's cost analysis on 0.12.
@@ -82,6 +89,10 @@ KNOWN_ON_CURRENT_JAX = {
     ],
     CPU_OFFLOAD_BITS: [
         "tests/test_literature_planners.py::test_offloads_leave_a_matmul_folded_with_its_transpose",
+    ],
+    CPU_OFFLOAD_FUSION: [
+        "tests/test_exactness_residual_layernorm.py::test_an_offloaded_matmul_output_summed_",
+        "tests/test_exactness_residual_layernorm.py::test_a_prefetched_matmul_output_summed_",
     ],
     RELAXED_BF16: [
         "tests/test_bitwise_auto.py::test_auto_plans_a_16_bit_step_that_no_exact_plan_fits_",
