@@ -65,13 +65,14 @@ logger = logging.getLogger(__name__)
 
 # CP-SAT's deterministic time (about a second of work per unit on an idle core), as a share
 # of the time limit, when the caller names no deterministic budget of its own; how many times
-# its deterministic budget a solve may run by the wall clock (a loaded machine); the share of
-# the solving time the fixed-order solve gets; the least wall time a solve gets.
+# its deterministic budget a solve may run by the wall clock (a loaded machine), as long as
+# that ends by the deadline; the share of the solving time the fixed-order solve gets; the
+# least wall time left before the deadline for a solve to start.
 _DET_SHARE = 0.5
 _WALL_SLACK = 3.0
 _FIXED_SHARE = 0.4
-MIN_SOLVE_S = 1.0
-# The search's wall-clock limit when building the model took all of time_limit_s.
+MIN_SOLVE_S = 0.1
+# A search is not started with less wall-clock time than this left after building the model.
 _MIN_WALL_S = 0.1
 # Above this many nodes, presolve runs one light round.
 _LIGHT_PRESOLVE_NODES = 40
@@ -509,8 +510,13 @@ def solve(problem: Problem, *, time_limit_s: float, num_workers: int, seed: int,
     prm.random_seed = int(seed)
     prm.log_search_progress = log
     # the wall clock counts the model's building; the deterministic limit does not
-    prm.max_time_in_seconds = max(float(time_limit_s) - (time.perf_counter() - started),
-                                  _MIN_WALL_S)
+    left = float(time_limit_s) - (time.perf_counter() - started)
+    if left < _MIN_WALL_S:  # building took the time: no search past the caller's deadline
+        wall = time.perf_counter() - started
+        return SolveResult(None, "unknown", None, None, None, wall,
+                           f"not searched: building the model took {wall:.2f} s of "
+                           f"{float(time_limit_s):.2f} s; may not repeat exactly")
+    prm.max_time_in_seconds = left
     if deterministic:
         prm.max_deterministic_time = float(_DET_SHARE * time_limit_s if deterministic_time_s is None
                                            else deterministic_time_s)
@@ -564,18 +570,23 @@ def solve_in_turn(p: Problem, units: Units, hint: tuple[Schedule, Evaluation],
     """The cpsat planner's solves (its options of these names, see
     :class:`jaxmem.planners.cpsat.CpsatOptions`): with the order of ``hint`` fixed, then
     (when ``p`` leaves the order free) the joint problem, hinted with the first's solution,
-    until ``deadline`` (a ``time.perf_counter()`` value; model building included). Each
-    appends its detail to ``notes``."""
+    until ``deadline`` (a ``time.perf_counter()`` value; model building included), which
+    no solve runs past; one that would start with less than ``MIN_SOLVE_S`` left does not
+    start. Each appends its detail to ``notes``."""
     kw: dict[str, Any] = dict(num_workers=num_workers, seed=seed, deterministic=deterministic,
                               units=units)
-    limit = max(deadline - time.perf_counter(), MIN_SOLVE_S)
+    limit = deadline - time.perf_counter()
+    if limit < MIN_SOLVE_S:
+        notes.append(f"CP-SAT did not run: the time limit was spent ({max(limit, 0.0):.2f} s "
+                     f"left); this plan may not repeat exactly")
+        return None
     fixed = dataclasses.replace(p, fixed_order=hint[0].order) if p.fixed_order is None else p
     share = _FIXED_SHARE if p.fixed_order is None else 1.0
     # The deterministic budgets come from the option alone, never from the clock: however
     # long the heuristics took, the same step and seed get the same solves.
     work = (float(deterministic_time_s) if deterministic_time_s is not None
             else _DET_SHARE * time_limit_s)
-    first = solve(fixed, time_limit_s=_wall_s(deterministic, share * limit, share * work),
+    first = solve(fixed, time_limit_s=_wall_s(deterministic, share * limit, share * work, limit),
                   deterministic_time_s=share * work, hint=hint, label="order fixed", **kw)
     notes.append(f"CP-SAT, order fixed: {first.detail}")
     if p.fixed_order is not None:
@@ -585,27 +596,40 @@ def solve_in_turn(p: Problem, units: Units, hint: tuple[Schedule, Evaluation],
         return None
     if first.schedule is not None:
         hint = (first.schedule, evaluate(p, first.schedule))
-    left = max(deadline - time.perf_counter(), (1 - share) * MIN_SOLVE_S)
-    joint = solve(p, time_limit_s=_wall_s(deterministic, left, (1 - share) * work),
+    left = deadline - time.perf_counter()
+    if left < MIN_SOLVE_S:
+        notes.append(f"CP-SAT, order free: did not run, the time limit was spent "
+                     f"({max(left, 0.0):.2f} s left); this plan may not repeat exactly")
+        return _fixed_order_only(first, first, notes, "the joint solve did not run")
+    joint = solve(p, time_limit_s=_wall_s(deterministic, left, (1 - share) * work, left),
                   deterministic_time_s=(1 - share) * work, hint=hint, label="order free", **kw)
     notes.append(f"CP-SAT, order free: {joint.detail}")
     if joint.schedule is None:
-        if first.schedule is not None:
-            notes.append("the joint solve found nothing better in time; kept the fixed-order "
-                         "solution (no bound on the joint problem)")
-            return dataclasses.replace(first, status="feasible", time_bound=None)
-        _failed(joint, notes)
-        return None
+        return _fixed_order_only(first, joint, notes, "the joint solve found nothing better "
+                                                      "in time")
     if first.time is not None and joint.time is not None and first.time < joint.time:
         return dataclasses.replace(first, status="feasible", time_bound=joint.time_bound)
     return joint
 
 
-def _wall_s(deterministic: bool, left_s: float, work_s: float) -> float:
-    """A solve's wall-clock limit: what is left of the time limit, but with ``deterministic``
-    never less than ``_WALL_SLACK`` times its deterministic budget, so that a machine that
-    much slower than an idle core still stops at the deterministic limit (same plan)."""
-    return max(left_s, _WALL_SLACK * work_s) if deterministic else left_s
+def _fixed_order_only(first: SolveResult, last: SolveResult, notes: list[str], why: str
+                      ) -> SolveResult | None:
+    """The fixed-order solution when the joint solve found nothing or did not run (``why``);
+    ``None`` (the notes give ``last``'s status) when neither found one."""
+    if first.schedule is None:
+        _failed(last, notes)
+        return None
+    notes.append(f"{why}; kept the fixed-order solution (no bound on the joint problem)")
+    return dataclasses.replace(first, status="feasible", time_bound=None)
+
+
+def _wall_s(deterministic: bool, share_s: float, work_s: float, left_s: float) -> float:
+    """A solve's wall-clock limit: its share of what is left of the time limit, but with
+    ``deterministic`` up to ``_WALL_SLACK`` times its deterministic budget, so that a machine
+    that much slower than an idle core still ends at the deterministic limit (same plan);
+    never past the deadline (``left_s`` from now): a solve the deadline cuts short may not repeat,
+    and its notes say so."""
+    return min(max(share_s, _WALL_SLACK * work_s) if deterministic else share_s, left_s)
 
 
 def _failed(result: SolveResult, notes: list[str]) -> None:

@@ -42,16 +42,18 @@ How it runs, within ``time_limit_s``:
    default half of ``time_limit_s``), a budget fixed by the options alone, so
    that however long the heuristics took the same step gets the same solves. By
    the wall clock they end by ``time_limit_s`` less the time one simulation of
-   the plan took (step 4 makes one more), building their models included, and get
-   at least a second even when the heuristics overran (the notes give each
-   heuristic's seconds and say when less than a quarter of the limit was left);
-   with ``deterministic``, each solve may run to three times its deterministic
-   budget, so that a loaded machine still stops at the deterministic limit. A
-   plan therefore takes about ``time_limit_s`` on an idle machine; a search that
-   overruns its share by one simulation can add a second or two on a large step,
-   and the bench records the time taken as ``solve_time_s``. A search or solve
-   stopped by the clock rather than by its own end may not repeat exactly; the
-   notes say where.
+   the plan took (step 4 makes one more), building their models included: that
+   deadline is never passed, and a solve with less than a tenth of a second left
+   does not start (the notes give each heuristic's seconds and say when less than
+   a quarter of the limit was left). With ``deterministic``, a solve may run to
+   three times its deterministic budget within that deadline, so that a loaded
+   machine still ends at the deterministic limit when there is time. A plan
+   therefore takes at most about ``time_limit_s``: a search that overruns its
+   share by one simulation, the final scoring and the building of a model past
+   the deadline add a fraction of a second on a large step, and the bench records
+   the time taken as ``solve_time_s``. A search or solve cut short by the clock
+   rather than by its own end, or not run for lack of time, may not repeat
+   exactly; the notes say where.
 4. **Check.** The solution becomes a :class:`~jaxmem.plans.plan.Plan`; the simulator
    (:func:`jaxmem.plans.plan.simulate_plan`) sets ``predicted_peak_bytes`` and the
    shared estimate (:func:`jaxmem.planners._shared.estimate_time_s`) sets
@@ -106,7 +108,6 @@ from typing import Any, Mapping, Sequence
 
 from jaxmem.planners import _cpsat_model
 from jaxmem.planners._cpsat_hint import repair
-from jaxmem.planners._cpsat_model import MIN_SOLVE_S as _MIN_SOLVE_S
 from jaxmem.planners._cpsat_problem import Evaluation, Schedule, evaluate
 from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners._options import PlannerOptions, check_options
@@ -126,8 +127,8 @@ NAME = "cpsat"
 _HEURISTIC_SHARE = 0.5
 # Heuristic planners whose plan does not depend on the budget (it only sets the status).
 _FIXED_PLANS = frozenset({"chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks"})
-# CP-SAT gets what is left of the time limit, at least _MIN_SOLVE_S; when that is less
-# than this share of the limit (the heuristics overran theirs), the notes say so.
+# CP-SAT gets what is left of the time limit, nothing past it; when that is less than this
+# share of the limit (the heuristics overran theirs), the notes say so.
 _SOLVE_SHARE = 0.25
 # Share of the time limit the warm start's repairs may take (they are what is slow on
 # a large step: thousands of evaluations of the coarse model).
@@ -403,20 +404,22 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
         notes.append(f"inputs and constants alone take {c.fixed_bytes:,} B, more than the budget "
                      f"less the reserve ({budget_bytes - c.reserve_bytes:,} B)")
     else:
-        hint = _warm_start(c, heur, budget_bytes,
-                           time.perf_counter() + _HINT_SHARE * float(opts.time_limit_s), notes)
-        notes.append(f"warm start from {hint[2]}: model peak {hint[1].peak} of {p.capacity} units")
         limit = float(opts.time_limit_s)
+        # Everything before the final scoring ends by the deadline, which _choose's one more
+        # simulation (as long as the first) follows.
         deadline = started + limit - score_s
+        hint = _warm_start(c, heur, budget_bytes,
+                           min(time.perf_counter() + _HINT_SHARE * limit, deadline), notes)
+        notes.append(f"warm start from {hint[2]}: model peak {hint[1].peak} of {p.capacity} units")
         left = deadline - time.perf_counter()
         if left < _SOLVE_SHARE * limit:
             notes.append(f"the heuristics and the warm start took "
                          f"{time.perf_counter() - started:.1f} s of the {limit:g} s limit; "
-                         f"CP-SAT gets {max(left, _MIN_SOLVE_S):.1f} s")
+                         f"CP-SAT gets {max(left, 0.0):.1f} s")
         units = _cpsat_model.Units(c.tick_s, c.unit_bytes, c.fixed_bytes)
         result = _cpsat_model.solve_in_turn(
-            p, units, hint[:2], notes, max(deadline, time.perf_counter() + _MIN_SOLVE_S),
-            time_limit_s=float(opts.time_limit_s), deterministic_time_s=opts.deterministic_time_s,
+            p, units, hint[:2], notes, deadline,
+            time_limit_s=limit, deterministic_time_s=opts.deterministic_time_s,
             num_workers=int(opts.num_workers), seed=int(opts.seed),
             deterministic=opts.deterministic)
     return _choose(graph, budget_bytes, cost_model, c, result, heur, notes, started, opts)

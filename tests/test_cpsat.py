@@ -629,9 +629,12 @@ def test_the_heuristics_share_the_time_limit_and_those_not_reached_are_named(mon
 
 def test_the_solves_deterministic_budgets_do_not_depend_on_the_clock(monkeypatch):
     """However long the heuristics take, the fixed-order and joint solves get the same
-    deterministic time (40% and 60% of half the time limit), and a wall-clock limit of at
-    least three times that, so that a loaded machine still plans the same."""
-    import time
+    deterministic time (40% and 60% of half the time limit), and a wall-clock limit of up
+    to three times that, so that a loaded machine still plans the same, but never past the
+    time limit: on a fake clock that ticks 1 ms a reading, every solve's wall-clock limit
+    ends by the call's start plus its limit."""
+    import sys
+    import types
 
     import jaxmem.planners.cpsat as cpsat_module
 
@@ -642,18 +645,26 @@ def test_the_solves_deterministic_budgets_do_not_depend_on_the_clock(monkeypatch
     solve = model.solve
 
     def run(delay_s, **options):
-        calls = []
+        calls, clock = [], [0.0]
+
+        def now():
+            clock[0] += 1e-3
+            return clock[0]
 
         def slow_heuristics(*args, **kwargs):
             out = heuristics(*args, **kwargs)
-            time.sleep(delay_s)  # a loaded machine: the heuristics took most of their share
+            clock[0] += delay_s  # a loaded machine: the heuristics took most of their share
             return out
 
         def recorded(problem, **kwargs):
-            calls.append((kwargs["deterministic_time_s"], kwargs["time_limit_s"]))
+            calls.append((kwargs["deterministic_time_s"], kwargs["time_limit_s"],
+                          clock[0] + kwargs["time_limit_s"]))
             return solve(problem, **kwargs)
 
+        fake = types.SimpleNamespace(perf_counter=now)
         with monkeypatch.context() as m:
+            for module in (cpsat_module, model, sys.modules["jaxmem.planners._cpsat_hint"]):
+                m.setattr(module, "time", fake)
             m.setattr(cpsat_module, "_heuristics", slow_heuristics)
             m.setattr(model, "solve", recorded)
             plan = plan_cpsat(g, budget, H100, {"time_limit_s": 2.0, "allow_offload": False,
@@ -661,10 +672,12 @@ def test_the_solves_deterministic_budgets_do_not_depend_on_the_clock(monkeypatch
         return calls, plan
 
     (idle, a), (busy, b) = run(0.0), run(0.9)
-    assert [d for d, _ in idle] == [d for d, _ in busy] == pytest.approx([0.4, 0.6])
-    assert all(wall >= 3 * d for d, wall in busy)
+    assert [d for d, _, _ in idle] == [d for d, _, _ in busy] == pytest.approx([0.4, 0.6])
+    assert all(wall >= 3 * d for d, wall, _ in idle[:1])  # room: three times its budget
+    assert all(end <= 2.0 for _, _, end in idle + busy)  # never past the limit
+    assert busy[0][1] < 3 * busy[0][0]  # the deadline, not the slack, bounds it
     assert (a.order, dict(a.remat)) == (b.order, dict(b.remat))
     given, _ = run(0.0, deterministic_time_s=3.0)
-    assert [d for d, _ in given] == pytest.approx([1.2, 1.8])
+    assert [d for d, _, _ in given] == pytest.approx([1.2, 1.8])
     with pytest.raises(ValueError, match="deterministic_time_s"):
         plan_cpsat(g, budget, H100, {"deterministic_time_s": 0})
