@@ -137,12 +137,14 @@ class Config:
         under ``jax.checkpoint``. On target ``cpu``, ``False`` also compiles with
         ``targets.CPU_KEEP_REMAT``: XLA:CPU otherwise merges every recomputation
         back into its original, so no remat saves memory there.
-      time_limit_s: wall time the planner may spend on a step, all verify
-        rounds together: the first round gets half of it and the later rounds
-        (re-plans after a compile over the budget) share the other half
-        (:meth:`round_time_limit_s`); a re-plan gets no more than what the
-        rounds before it left, and none starts with less than a second left.
-        Tracing and compiling are not counted.
+      time_limit_s: wall time the planner may spend on a step, every verify
+        round and every attempt together: the first round gets half of it and
+        the later rounds (re-plans after a compile over the budget) share the
+        other half (:meth:`round_time_limit_s`); a planner call gets no more than
+        what the calls before it left, and a round that would start with (almost)
+        nothing left does not (:mod:`jaxmem.verify.timing`). Under
+        ``bitwise="auto"`` a 16-bit step's bit-exact and relaxed attempts share
+        it too. Tracing and compiling are not counted; the plan's notes give both.
       seed: for planners with randomness.
       on_over_budget: ``"raise"`` an ``InfeasibleBudgetError`` when no plan
         compiles within budget, or ``"warn"`` and run the best plan found.

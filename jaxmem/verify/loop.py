@@ -24,6 +24,7 @@ from jaxmem.errors import InfeasibleBudgetError
 from jaxmem.plans import plan as plan_lib
 from jaxmem.units import format_bytes
 from jaxmem.verify import cache as cache_lib
+from jaxmem.verify.timing import EXACT_SHARE, Attempt, PlanningTime
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,6 @@ _OFFLOAD_MISS = 0.25
 # puts it over the budget (the CPU: a compile costs little there, and XLA:CPU's buffer
 # assignment often keeps a step within a budget the simulator says it misses).
 _PLAIN_FIRST_PLATFORMS: tuple[str, ...] = ("cpu",)
-# A re-plan is not started with less than this much of Config.time_limit_s left.
-_MIN_REPLAN_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,10 +82,12 @@ def compile_plan(graph: Any, plan: plan_lib.Plan, target: targets_lib.Target,
                  abstract_args: Sequence[Any], donate_argnums: tuple[int, ...],
                  counters: dict[str, float]) -> tuple[Any, jax.stages.Compiled, int, int]:
     """Emit ``plan`` and compile it for ``target``: the jitted step, its compiled form and
-    its device and host bytes; counts the compile in ``counters``."""
+    its device and host bytes; counts the compile and its seconds in ``counters``."""
+    began = time.perf_counter()
     jitted = jax.jit(emit_lib.emit(graph, plan), donate_argnums=donate_argnums)
     compiled = jitted.lower(*abstract_args).compile(compiler_options=target.compiler_options)
     counters["compiles"] = counters.get("compiles", 0) + 1
+    counters["compile_s"] = counters.get("compile_s", 0.0) + time.perf_counter() - began
     dev, host = device_bytes(compiled)
     return jitted, compiled, dev, host
 
@@ -95,7 +96,8 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
            donate_argnums: tuple[int, ...], counters: dict[str, float] | None = None,
            plain_first: bool = False, cost_model: Any = None, cost_notes: Sequence[str] = (),
            costs: Callable[[], tuple[Any, Sequence[str]]] | None = None,
-           arg_labels: Sequence[int | str] | None = None
+           arg_labels: Sequence[int | str] | None = None, *,
+           planning: PlanningTime | None = None, attempt: Attempt | None = None
            ) -> tuple[plan_lib.Plan, Any, jax.stages.Compiled, tuple[Round, ...]]:
     """Plan, emit and compile until the compiled step fits the budget.
 
@@ -106,8 +108,9 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
       abstract_args: the step's dynamic arguments as ``ShapeDtypeStruct``s
         placed on the target.
       donate_argnums: donated positions among them.
-      counters: optional ``{"plans": n, "compiles": n, "planning_s": s}`` to add to
-        (planner calls, compiles, and the wall time of the planner calls).
+      counters: optional ``{"plans": n, "compiles": n, "planning_s": s,
+        "compile_s": s}`` to add to (planner calls, compiles, the wall time of the
+        planner calls and of the compiles).
       plain_first: compile the step as written first and keep it if it fits
         (used when the blocks' decision table was already verified by compiling).
       cost_model: the planners' :class:`~jaxmem.cost.costmodel.CostModel`, with
@@ -120,10 +123,19 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
         not when ``plain_first``'s step as written fits.
       arg_labels: how the user names each of ``abstract_args`` (a position or a
         keyword), for the error that suggests donating them.
+      planning: the step's planning time so far, for a later attempt on the same
+        step (the relaxed one under ``bitwise="auto"``); by default a new one of
+        ``config.time_limit_s``.
+      attempt: this attempt's part of the limit (by default all of it, or, on a
+        step that ``bitwise="auto"`` may relax, ``timing.EXACT_SHARE`` of it).
 
     On the CPU target, when the simulator puts the step as written over the
     budget, it is compiled first and kept if it fits: XLA:CPU can keep it
     within a budget the simulator says it misses, and then no plan is needed.
+
+    Every round and attempt draws on the one ``config.time_limit_s``
+    (:mod:`jaxmem.verify.timing`); the plan's notes give the planning and the
+    compiling seconds, and say when the limit cut the re-plans short.
 
     Returns:
       The accepted plan, its jitted emitted step, its compiled form and every round.
@@ -131,180 +143,228 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
     Raises:
       InfeasibleBudgetError: no round fits and ``config.on_over_budget == "raise"``.
     """
-    from jaxmem import planners
-    from jaxmem.planners import _registry as registry
-
     counters = counters if counters is not None else {}
-    planner = planners.get(config.planner).fn
-    assert planner is not None  # (Config checks that it names a planner, not a peer policy)
-    made: list[tuple[Any, Sequence[str]]] = [] if cost_model is None else [
-        (cost_model, cost_notes)]
-
-    def planning_costs() -> tuple[Any, Sequence[str]]:
-        if not made:
-            made.append(costs() if costs is not None else planning_cost_model(
-                graph, target, config.op_times, *abstract_args))
-        return made[0]
-
-    options = config.planner_options()
-    budget = config.budget_bytes(target)
-    internal = budget
-    rounds: list[Round] = []
-    built: list[tuple[Any, jax.stages.Compiled]] = []
-    seen: set[str] = set()
-    overshoot = 0
-    fitting_time_s: float | None = None  # estimate of the fastest alternative that fits
-    memo: dict[Any, Any] = {}  # the planner's, through the rounds (PlannerOptions.memo)
-    planned_s = 0.0  # planner wall time in this loop, against config.time_limit_s
-    overrun_s = 0.0  # the most a planner call took over its limit
-    out_of_time: tuple[str, ...] = ()
-
-    def compile_round(plan: plan_lib.Plan, planner_budget: int) -> tuple[int, int]:
-        jitted, compiled, dev, host = compile_plan(graph, plan, target, abstract_args,
-                                                   donate_argnums, counters)
-        rounds.append(Round(planner_budget, plan, dev, host))
-        built.append((jitted, compiled))
-        return dev, host
-
-    plain = plan_lib.unplanned(graph, planner=config.planner, budget_bytes=budget)
-    plain_peak: list[int] = []
-
-    def plain_predicted() -> int:
-        if not plain_peak:
-            plain_peak.append(plan_lib.simulate_plan(graph, plain).peak_bytes)
-        return plain_peak[0]
-
-    def compile_plain(note: str) -> int:
-        seen.add(plain.decisions())
-        return compile_round(plain.replace(predicted_peak_bytes=plain_predicted(), notes=(note,)),
-                             budget)[0]
-
+    planning = planning or PlanningTime(config.time_limit_s, clock=time.perf_counter)
+    if attempt is None:
+        limit = config.time_limit_s
+        attempt = (Attempt(limit * EXACT_SHARE, limit * (1 - EXACT_SHARE), "bit-exact")
+                   if _relaxable(graph, config) else Attempt(limit))
+    loop = _Loop(graph, config, target, abstract_args, donate_argnums, counters, planning,
+                 cost_model, cost_notes, costs)
     if plain_first:
-        compile_plain("the step as written, with its blocks' verified decision table")
-    elif target.platform in _PLAIN_FIRST_PLATFORMS and plain_predicted() > budget:
+        loop.compile_plain("the step as written, with its blocks' verified decision table")
+    elif target.platform in _PLAIN_FIRST_PLATFORMS and loop.plain_predicted() > loop.budget:
         # No decision the budget does not need: XLA:CPU can keep the step as written within
         # a budget the simulator says it misses (its buffer assignment reuses more than
         # the simulator's order allows), so the step as written is compiled before any plan.
-        compile_plain("the step as written: the simulator put it over the budget, compiled "
-                      "first on the CPU")
-    for index in range(config.verify_rounds if not rounds or rounds[0].compiled_bytes > budget
-                       else 0):
-        # Each round has its fixed share; when earlier rounds overran theirs (a search
-        # ends a simulation late, CP-SAT's presolve runs on), a re-plan gets only what is
-        # left of the step's limit, less the largest overrun so far.
-        left = config.time_limit_s - planned_s - overrun_s
-        if index and left < _MIN_REPLAN_S:
-            out_of_time = (f"no re-plan after round {len(rounds)}: the planner had spent "
-                           f"{planned_s:.1f} s of time_limit_s={config.time_limit_s:g}",)
-            logger.info("verify: %s", out_of_time[0])
-            break
-        limit = min(config.round_time_limit_s(index), left)
+        loop.compile_plain("the step as written: the simulator put it over the budget, "
+                           "compiled first on the CPU")
+    if not loop.rounds or loop.rounds[0].compiled_bytes > loop.budget:
+        loop.run(attempt)
+    return _settle(loop, arg_labels)
+
+
+class _Loop:
+    """The rounds of one attempt: what they planned and compiled, and the tightened
+    planning budget."""
+
+    def __init__(self, graph: Any, config: Config, target: targets_lib.Target,
+                 abstract_args: Sequence[Any], donate_argnums: tuple[int, ...],
+                 counters: dict[str, float], planning: PlanningTime, cost_model: Any,
+                 cost_notes: Sequence[str],
+                 costs: Callable[[], tuple[Any, Sequence[str]]] | None) -> None:
+        self.graph, self.config, self.target = graph, config, target
+        self.abstract_args, self.donate_argnums = abstract_args, donate_argnums
+        self.counters, self.planning, self.costs = counters, planning, costs
+        self.made: list[tuple[Any, Sequence[str]]] = [] if cost_model is None else [
+            (cost_model, cost_notes)]
+        self.budget = config.budget_bytes(target)
+        self.rounds: list[Round] = []
+        self.built: list[tuple[Any, jax.stages.Compiled]] = []
+        self.seen: set[str] = set()
+        self.plain = plan_lib.unplanned(graph, planner=config.planner, budget_bytes=self.budget)
+        self._plain_peak: list[int] = []
+
+    def planning_costs(self) -> tuple[Any, Sequence[str]]:
+        """The planners' cost model and its notes, made once (a profile run, maybe)."""
+        if not self.made:
+            self.made.append(self.costs() if self.costs is not None else planning_cost_model(
+                self.graph, self.target, self.config.op_times, *self.abstract_args))
+        return self.made[0]
+
+    def compile_round(self, plan: plan_lib.Plan, planner_budget: int) -> tuple[int, int]:
+        """Compile ``plan`` (timed apart from the planning limit) and record the round."""
+        jitted, compiled, dev, host = self.planning.compile(lambda: compile_plan(
+            self.graph, plan, self.target, self.abstract_args, self.donate_argnums,
+            self.counters))
+        self.rounds.append(Round(planner_budget, plan, dev, host))
+        self.built.append((jitted, compiled))
+        return dev, host
+
+    def plain_predicted(self) -> int:
+        """The simulated peak of the step as written."""
+        if not self._plain_peak:
+            self._plain_peak.append(plan_lib.simulate_plan(self.graph, self.plain).peak_bytes)
+        return self._plain_peak[0]
+
+    def compile_plain(self, note: str) -> int:
+        """Compile the step as written (no decisions); its device bytes."""
+        self.seen.add(self.plain.decisions())
+        return self.compile_round(self.plain.replace(predicted_peak_bytes=self.plain_predicted(),
+                                                     notes=(note,)), self.budget)[0]
+
+    def call_planner(self, planner: Any, internal: int, options: dict[str, Any],
+                     memo: dict[Any, Any], limit_s: float) -> plan_lib.Plan:
+        """One planner call at planning budget ``internal``, given ``limit_s`` seconds."""
         began = time.perf_counter()
-        planning_model = planning_costs()[0]  # made once (a profile run, maybe): not the limit's
+        planning_model = self.planning_costs()[0]  # made once: not the limit's
         costs_s = time.perf_counter() - began
-        plan = planner(graph, internal, planning_model,
-                       {**options, "time_limit_s": limit,
-                        "verify_budget_bytes": budget if internal < budget else None,
-                        "memo": memo})
-        took = time.perf_counter() - began - costs_s
-        planned_s += took
-        overrun_s = max(overrun_s, took - limit)
-        counters["plans"] = counters.get("plans", 0) + 1
-        counters["planning_s"] = counters.get("planning_s", 0.0) + costs_s + took
-        decisions = plan.decisions()
-        if decisions in seen:
-            # Same decisions at a tighter budget: the planner's own estimate still says they fit.
-            # Tighten again by the last overshoot (at least 1% of the budget) instead of giving up.
-            step_down = max(overshoot, budget // 100)
-            logger.info("planner %s returned the same plan at budget %s; tightening by %s",
-                        config.planner, format_bytes(internal), format_bytes(step_down))
-            internal -= step_down
+        planned_before = self.planning.planned_s
+        plan = self.planning.plan(lambda given_s: planner(
+            self.graph, internal, planning_model,
+            {**options, "time_limit_s": given_s,
+             "verify_budget_bytes": self.budget if internal < self.budget else None,
+             "memo": memo}), limit_s)
+        self.counters["plans"] = self.counters.get("plans", 0) + 1
+        self.counters["planning_s"] = (self.counters.get("planning_s", 0.0) + costs_s
+                                       + self.planning.planned_s - planned_before)
+        return plan
+
+    def run(self, attempt: Attempt) -> None:
+        """Plan, compile and check for up to ``config.verify_rounds`` rounds, tightening the
+        planning budget after each miss, within ``attempt``'s part of the time limit."""
+        from jaxmem import planners
+        from jaxmem.planners import _registry as registry
+
+        config, budget = self.config, self.budget
+        planner = planners.get(config.planner).fn
+        assert planner is not None  # (Config checks that it names a planner, not a peer policy)
+        options = config.planner_options()
+        internal = budget
+        overshoot = 0
+        fitting_time_s: float | None = None  # estimate of the fastest alternative that fits
+        memo: dict[Any, Any] = {}  # the planner's, through the rounds (PlannerOptions.memo)
+        for index in range(config.verify_rounds):
+            # Each round has its fixed share; when earlier rounds overran theirs (a search
+            # ends a simulation late, CP-SAT's presolve runs on), a re-plan gets only what is
+            # left of the step's limit, less the largest overrun so far.
+            limit = self.planning.round_limit_s(config, index, attempt)
+            if limit is None:
+                logger.info("verify: %s", self.planning.reached[-1])
+                break
+            plan = self.call_planner(planner, internal, options, memo, limit)
+            decisions = plan.decisions()
+            if decisions in self.seen:
+                # Same decisions at a tighter budget: the planner's own estimate still says
+                # they fit. Tighten again by the last overshoot (at least 1% of the budget)
+                # instead of giving up.
+                step_down = max(overshoot, budget // 100)
+                logger.info("planner %s returned the same plan at budget %s; tightening by %s",
+                            config.planner, format_bytes(internal), format_bytes(step_down))
+                internal -= step_down
+                if internal <= 0:
+                    break
+                continue
+            self.seen.add(decisions)
+            first = len(self.rounds)
+            dev, host = self.compile_round(plan, internal)
+            logger.info("round %d: planner budget %s, predicted %s, compiled %s device + %s "
+                        "host on %s (budget %s)", len(self.rounds), format_bytes(internal),
+                        format_bytes(plan.predicted_peak_bytes), format_bytes(dev),
+                        format_bytes(host), self.target.name, format_bytes(budget))
+            if dev <= budget or (fitting_time_s is not None and (
+                    plan.predicted_time_s is None or plan.predicted_time_s >= fitting_time_s)):
+                break
+            if _alternative_fits(plan, internal, budget, self.seen, self.compile_round):
+                # An alternative fits, but the planner ranked the plan that missed first: a
+                # tighter round may fit a plan faster than that alternative (GPT-2 at
+                # save_qkv_proj's peak: keep_matmuls_fit misses by 25 MiB, the fitting
+                # alternative is a 12% slower blocks plan; Llama at 24.8 GB: it misses by
+                # 618, then by 301 MiB). Re-plans go on, within the rounds, while the plan
+                # that missed is estimated faster; the ranking keeps the fastest that fits.
+                alternative_s = self.rounds[-1].plan.predicted_time_s
+                if alternative_s is None or plan.predicted_time_s is None or (
+                        alternative_s <= plan.predicted_time_s):
+                    break
+                fitting_time_s = min(alternative_s, fitting_time_s or alternative_s)
+            if (plan.offload and options["allow_offload"]
+                    and config.planner in registry.HONOURS_ALLOW
+                    and dev > (1 + _OFFLOAD_MISS) * plan.predicted_peak_bytes):
+                # XLA kept far more on the device than the simulator expects of these copies
+                # (prefetches scheduled early, say): plan the next rounds without offloads,
+                # at the same budget (this miss says nothing about the simulator's remat plans).
+                options = {**options, "allow_offload": False}
+                logger.info("round %d: the plan's offloads compiled to %s against %s "
+                            "simulated; planning the next rounds without offloads",
+                            len(self.rounds), format_bytes(dev),
+                            format_bytes(plan.predicted_peak_bytes))
+                if all(r.plan.offload for r in self.rounds[first:]):
+                    continue
+            internal, overshoot = _tightened(self.rounds[first:], internal, budget)
             if internal <= 0:
                 break
-            continue
-        seen.add(decisions)
-        first = len(rounds)
-        dev, host = compile_round(plan, internal)
-        logger.info("round %d: planner budget %s, predicted %s, compiled %s device + %s host "
-                    "on %s (budget %s)", len(rounds), format_bytes(internal),
-                    format_bytes(plan.predicted_peak_bytes), format_bytes(dev),
-                    format_bytes(host), target.name, format_bytes(budget))
-        if dev <= budget or (fitting_time_s is not None and (
-                plan.predicted_time_s is None or plan.predicted_time_s >= fitting_time_s)):
-            break
-        if _alternative_fits(plan, internal, budget, seen, compile_round):
-            # An alternative fits, but the planner ranked the plan that missed first: a
-            # tighter round may fit a plan faster than that alternative (GPT-2 at
-            # save_qkv_proj's peak: keep_matmuls_fit misses by 25 MiB, the fitting
-            # alternative is a 12% slower blocks plan; Llama at 24.8 GB: it misses by
-            # 618, then by 301 MiB). Re-plans go on, within the rounds, while the plan
-            # that missed is estimated faster; the ranking below keeps the fastest that fits.
-            alternative_s = rounds[-1].plan.predicted_time_s
-            if alternative_s is None or plan.predicted_time_s is None or (
-                    alternative_s <= plan.predicted_time_s):
-                break
-            fitting_time_s = min(alternative_s, fitting_time_s or alternative_s)
-        if (plan.offload and options["allow_offload"] and config.planner in registry.HONOURS_ALLOW
-                and dev > (1 + _OFFLOAD_MISS) * plan.predicted_peak_bytes):
-            # XLA kept far more on the device than the simulator expects of these copies
-            # (prefetches scheduled early, say): plan the next rounds without offloads, at
-            # the same budget (this miss says nothing about the simulator's remat plans).
-            options = {**options, "allow_offload": False}
-            logger.info("round %d: the plan's offloads compiled to %s against %s simulated; "
-                           "planning the next rounds without offloads", len(rounds),
-                           format_bytes(dev), format_bytes(plan.predicted_peak_bytes))
-            if all(r.plan.offload for r in rounds[first:]):
-                continue
-        # Tighten by the plan of this round that came closest (an alternative may have):
-        # the planner's chosen plan can be the one the simulator misjudges most.
-        missed = [r for r in rounds[first:] if r.compiled_bytes > budget] or rounds[first:]
-        closest = min(missed, key=lambda r: r.compiled_bytes)
-        dev = closest.compiled_bytes
-        overshoot = dev - budget
-        error = dev - closest.plan.predicted_peak_bytes
-        tighter = budget - error if error > 0 else internal - (dev - budget)
-        if tighter >= internal:
-            tighter = internal - (dev - budget)
-        internal = tighter
-        if internal <= 0:
-            break
-    if all(r.compiled_bytes > budget for r in rounds) and plain.decisions() not in seen:
+
+
+def _tightened(missed_round: Sequence[Round], internal: int, budget: int) -> tuple[int, int]:
+    """The next planning budget after a round over the budget, and that round's overshoot.
+
+    Tightened by the plan of the round that came closest (an alternative may have): the
+    planner's chosen plan can be the one the simulator misjudges most.
+    """
+    missed = [r for r in missed_round if r.compiled_bytes > budget] or list(missed_round)
+    closest = min(missed, key=lambda r: r.compiled_bytes)
+    dev = closest.compiled_bytes
+    error = dev - closest.plan.predicted_peak_bytes
+    tighter = budget - error if error > 0 else internal - (dev - budget)
+    if tighter >= internal:
+        tighter = internal - (dev - budget)
+    return tighter, dev - budget
+
+
+def _settle(loop: _Loop, arg_labels: Sequence[int | str] | None
+            ) -> tuple[plan_lib.Plan, Any, jax.stages.Compiled, tuple[Round, ...]]:
+    """The fastest round that fits, by compiled time (the step as written compiled as a last
+    resort when none does); else the relaxed attempt, the best plan with a warning, or
+    ``InfeasibleBudgetError``."""
+    graph, config, target, rounds, budget = (loop.graph, loop.config, loop.target, loop.rounds,
+                                             loop.budget)
+    if all(r.compiled_bytes > budget for r in rounds) and loop.plain.decisions() not in loop.seen:
         # The simulator can over-predict the step as written (XLA fuses or rematerializes
         # on its own, e.g. under jax.checkpoint policies): compile it once before giving up.
-        dev = compile_plain("every plan compiled over the budget; the step as written (no "
-                            "decisions) was compiled as a last resort")
+        dev = loop.compile_plain("every plan compiled over the budget; the step as written "
+                                 "(no decisions) was compiled as a last resort")
         logger.info("last resort: the step as written compiled to %s device on %s (budget %s)",
                     format_bytes(dev), target.name, format_bytes(budget))
     best = min(range(len(rounds)), key=lambda i: rounds[i].compiled_bytes)
     ranking: tuple[str, ...] = ()
     fitting = sum(r.compiled_bytes <= budget for r in rounds)
     if fitting > 1 or (fitting and rounds[best].plan.alternatives):
-        best, ranking = _rank_alternatives(best, rounds, built, budget, target, seen,
-                                           compile_round)
+        best, ranking = _rank_alternatives(best, rounds, loop.built, budget, target, loop.seen,
+                                           loop.compile_round)
     chosen = rounds[best]
     # The verified status replaces the planner's; a fallback it reported stays in its
     # fallback_reason and source.
-    notes = (*(made[0][1] if made else ()), *chosen.plan.notes, *ranking,
-             *out_of_time,
+    notes = (*(loop.made[0][1] if loop.made else ()), *chosen.plan.notes, *ranking,
              f"verified on {target.name}: {format_bytes(chosen.compiled_bytes)} device + "
              f"{format_bytes(chosen.host_bytes)} host compiled, round {best + 1} of "
-             f"{len(rounds)}")
+             f"{len(rounds)}", *loop.planning.notes())
+    jitted, compiled = loop.built[best]
     if chosen.compiled_bytes <= budget:
         plan = chosen.plan.replace(status="ok", budget_bytes=budget, notes=notes,
                                    compiled_bytes=chosen.compiled_bytes)
-        return plan, built[best][0], built[best][1], tuple(rounds)
-    if config.bitwise == "auto" and _bitwise_hint(graph, config):
+        return plan, jitted, compiled, tuple(rounds)
+    if _relaxable(graph, config):
         # A 16-bit step no bit-exact plan fits: plan it as jax.checkpoint would recompute.
-        cost_model, cost_notes = planning_costs()
-        relaxed = _relaxed(graph, config, target, abstract_args, donate_argnums, counters,
-                           cost_model, cost_notes, arg_labels, chosen.compiled_bytes)
+        cost_model, cost_notes = loop.planning_costs()
+        relaxed = _relaxed(loop, cost_model, cost_notes, arg_labels, chosen.compiled_bytes)
         if relaxed is not None:
             return relaxed
     tried = "; ".join(f"planner budget {format_bytes(r.planner_budget_bytes)} -> compiled "
                       f"{format_bytes(r.compiled_bytes)}" for r in rounds)
-    tried += "".join(f" ({why})" for why in out_of_time) + _bitwise_hint(graph, config)
+    tried += "".join(f" ({why})" for why in loop.planning.reached) + _bitwise_hint(graph, config)
     floor, undonated = ((None, ()) if config.allow_state_offload else
-                        argument_floor(graph, abstract_args, donate_argnums, arg_labels))
+                        argument_floor(graph, loop.abstract_args, loop.donate_argnums,
+                                       arg_labels))
     if config.on_over_budget == "warn":
         below = ("" if floor is None or floor <= budget else
                  f" The arguments and the outputs the step does not write into donated "
@@ -316,7 +376,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
                        format_bytes(chosen.compiled_bytes), below, tried)
         plan = chosen.plan.replace(status="over_budget", budget_bytes=budget, notes=notes,
                                    compiled_bytes=chosen.compiled_bytes)
-        return plan, built[best][0], built[best][1], tuple(rounds)
+        return plan, jitted, compiled, tuple(rounds)
     raise InfeasibleBudgetError(budget, chosen.compiled_bytes, chosen.compiled_bytes,
                                 detail=f"planner {config.planner!r} on {target.name}: {tried}",
                                 planner=config.planner, floor_bytes=floor, undonated=undonated)
@@ -363,19 +423,27 @@ def argument_floor(graph: Any, args: Sequence[Any], donate_argnums: Sequence[int
     return floor, tuple(big)
 
 
-def _relaxed(graph: Any, config: Config, target: targets_lib.Target,
-             abstract_args: Sequence[Any], donate_argnums: tuple[int, ...],
-             counters: dict[str, float], cost_model: Any, cost_notes: Sequence[str],
+def _relaxable(graph: Any, config: Config) -> bool:
+    """Whether ``bitwise="auto"`` may plan this step relaxed when no bit-exact plan fits
+    (a 16-bit step whose bit-exact plans leave fused values where they are)."""
+    return config.bitwise == "auto" and bool(_bitwise_hint(graph, config))
+
+
+def _relaxed(loop: _Loop, cost_model: Any, cost_notes: Sequence[str],
              arg_labels: Sequence[int | str] | None, exact_bytes: int
              ) -> tuple[plan_lib.Plan, Any, jax.stages.Compiled, tuple[Round, ...]] | None:
     """``Config(bitwise="auto")`` on a 16-bit step that no bit-exact plan fits: the verified
     plan made with ``bitwise=False`` when it fits (one warning names what it recomputes
-    whole), else ``None``."""
+    whole), else ``None``. It plans within what the bit-exact attempt left of the step's
+    time limit (:mod:`jaxmem.verify.timing`)."""
+    graph, config, target = loop.graph, loop.config, loop.target
     relaxed_config = dataclasses.replace(config, bitwise=False, on_over_budget="raise")
+    attempt = Attempt(config.time_limit_s * (1 - EXACT_SHARE), 0.0, "relaxed")
     try:
         plan, jitted, compiled, rounds = verify(
-            graph, relaxed_config, target.for_bitwise(False), abstract_args, donate_argnums,
-            counters, cost_model=cost_model, cost_notes=cost_notes, arg_labels=arg_labels)
+            graph, relaxed_config, target.for_bitwise(False), loop.abstract_args,
+            loop.donate_argnums, loop.counters, cost_model=cost_model, cost_notes=cost_notes,
+            arg_labels=arg_labels, planning=loop.planning, attempt=attempt)
     except InfeasibleBudgetError as err:
         logger.info("bitwise='auto': the relaxed plans do not fit either (%s)", err)
         return None
