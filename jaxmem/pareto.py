@@ -18,6 +18,13 @@ once more at the smallest budget the failure named (the best compiled footprint
 :class:`~jaxmem.errors.InfeasibleBudgetError` reports), when that lies between
 the failed budget and the last fitted one.
 
+Quality is monotone in the budget: every plan a sweep compiled is a candidate at
+each budget of the same planner that its compiled bytes fit, and each point keeps
+the fastest of its candidates (ties: fewer bytes), so estimated time never rises
+as the budget loosens and compiled bytes never rise as it tightens.
+:attr:`Point.planned_at_bytes` names the budget whose verify loop found the plan
+a point kept.
+
 >>> import jax, jax.numpy as jnp, jaxmem
 >>> def step(w, x):
 ...     return jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w) ** 2))(w)
@@ -102,6 +109,8 @@ class Point:
       est_step_time_s: the roofline estimate of :func:`jaxmem.measure`.
       solve_time_s: wall time of the planner calls of the verify loop, summed (the
         alternatives a planner hands the loop to compile add no time of their own).
+      compile_time_s: wall time of the verify loop's compiles (not counted in
+        ``Config.time_limit_s``).
       elapsed_s: wall time of planning, emitting and compiling this point.
       rounds: plan-compile rounds the verify loop ran (0 when unknown).
       plan: the accepted plan (``None`` for infeasible, fallback and error points).
@@ -111,7 +120,12 @@ class Point:
       sweep: ``"grid"`` (a geometric step or a given budget) or
         ``"smallest_feasible"`` (the extra point at the budget a failure named).
       monotone: ``False`` when a higher budget of the same planner compiled to
-        fewer device bytes (monotone quality; also logged).
+        fewer device bytes or was estimated slower (which keeping the fastest
+        fitting plan at every budget rules out; logged).
+      planned_at_bytes: the budget whose verify loop found the kept plan:
+        ``budget_bytes``, or another budget of the sweep whose plan compiled
+        within this one and was estimated faster (the plan's notes say so);
+        ``None`` for points without a plan.
       reason: why a ``fallback`` point was not planned, or what an ``error``
         point raised (``"RuntimeError: boom"``); ``None`` otherwise.
       report: the full :class:`~jaxmem.cost.measure.Report` (not in the repr).
@@ -133,6 +147,8 @@ class Point:
     unplanned_bytes: int | None = None
     sweep: Literal["grid", "smallest_feasible"] = "grid"
     monotone: bool = True
+    planned_at_bytes: int | None = None
+    compile_time_s: float | None = None
     reason: str | None = None
     report: Report | None = dataclasses.field(default=None, repr=False, compare=False)
     step: Callable[..., Any] | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -141,6 +157,10 @@ class Point:
     def fits(self) -> bool:
         """Whether the compiled step is within the budget."""
         return self.status == PointStatus.OK
+
+
+# Statuses of points whose step was planned and compiled.
+_BUILT = (PointStatus.OK, PointStatus.OVER_BUDGET)
 
 
 def pareto(step: Callable[..., Any], *args: Any, budgets: Sequence[BudgetSpec] | None = None,
@@ -240,7 +260,7 @@ def _sweep_all(opt: Optimized, args: tuple[Any, ...], kwargs: dict[str, Any],
             mine = sweep.geometric(config_p, factor, min_fraction)
         else:
             mine = [sweep.point(config_p, b) for b in resolved]
-        points.extend(check_monotone(mine))
+        points.extend(check_monotone(keep_fastest(mine)))
     return points
 
 
@@ -267,15 +287,67 @@ def frontier(points: Sequence[Point]) -> list[Point]:
     return kept
 
 
+def keep_fastest(points: Sequence[Point]) -> list[Point]:
+    """``points`` (one planner's), each with the fastest plan any of them compiled within
+    its budget.
+
+    A plan found at one budget is a candidate at every budget its compiled bytes fit: the
+    verify loop at a looser budget can settle on a slower plan than a tighter budget's
+    (GPT-2 at 29.7 GiB kept a plan of 22.3 GiB slower than the 23.8 GiB budget's plan of
+    the same bytes), and at a tighter budget a looser budget's plan may fit and be faster.
+    Candidates rank by estimated time, then compiled bytes; a point's own plan wins ties.
+    Points that raised (``error``) or were not planned (``fallback``) are left as they are;
+    an ``infeasible`` or ``over_budget`` point that another budget's plan fits becomes ``ok``.
+
+    >>> p = lambda b, c, t: Point("g", b, PointStatus.OK, c, 0, t, 0.0, 0.0, 1,
+    ...                           plan_lib.Plan((), {}, {}, {}, "g", b, c, t), planned_at_bytes=b)
+    >>> kept = keep_fastest([p(30, 22, 2.0), p(24, 22, 1.0)])
+    >>> [(q.budget_bytes, q.planned_at_bytes, q.est_step_time_s) for q in kept]
+    [(30, 24, 1.0), (24, 24, 1.0)]
+    """
+    out = list(points)
+    candidates = [p for p in out if p.status in _BUILT and p.compiled_bytes is not None
+                  and p.est_step_time_s is not None and p.plan is not None]
+    for i, p in enumerate(out):
+        if p.status not in (*_BUILT, PointStatus.INFEASIBLE):
+            continue
+        fitting = [q for q in candidates if q.compiled_bytes is not None
+                   and q.compiled_bytes <= p.budget_bytes]
+        if fitting:
+            best = min(fitting, key=lambda q: (q.est_step_time_s, q.compiled_bytes, q is not p))
+            if best is not p:
+                out[i] = _with_plan_of(p, best)
+    return out
+
+
+def _with_plan_of(p: Point, q: Point) -> Point:
+    """Point ``p`` with the plan of ``q``, another budget's, which compiled within ``p``'s
+    budget and is estimated faster (or as fast in fewer bytes); the plan's notes say so."""
+    assert q.plan is not None and q.compiled_bytes is not None and q.est_step_time_s is not None
+    own = ("no plan of its own fitted" if p.status != PointStatus.OK or p.compiled_bytes is None
+           or p.est_step_time_s is None else
+           f"{'as fast as' if q.est_step_time_s >= p.est_step_time_s else 'faster than'} its "
+           f"own plan ({format_bytes(p.compiled_bytes)}, {p.est_step_time_s * 1e3:.4g} ms)")
+    note = (f"pareto: kept the plan found at budget {format_bytes(q.budget_bytes)} "
+            f"({format_bytes(q.compiled_bytes)} compiled, {q.est_step_time_s * 1e3:.4g} ms "
+            f"estimated): it fits this budget of {format_bytes(p.budget_bytes)}, {own}")
+    logger.info("pareto: planner %s at %s: %s", p.planner, format_bytes(p.budget_bytes), note)
+    plan = q.plan.replace(status="ok", budget_bytes=p.budget_bytes, notes=(*q.plan.notes, note))
+    return dataclasses.replace(p, status=PointStatus.OK, compiled_bytes=q.compiled_bytes,
+                               host_bytes=q.host_bytes, est_step_time_s=q.est_step_time_s,
+                               plan=plan, report=q.report, step=q.step,
+                               planned_at_bytes=q.planned_at_bytes, min_feasible_bytes=None)
+
+
 def check_monotone(points: Sequence[Point]) -> list[Point]:
-    """``points`` (one planner's) with ``monotone=False`` where a higher budget compiled smaller.
+    """``points`` (one planner's) with ``monotone=False`` where a higher budget compiled
+    smaller, or where a fitting point is estimated slower than one at a lower budget.
 
     Only points whose step exists (``ok``, ``over_budget``) are compared. Each
     violation is logged as a warning naming both budgets.
     """
     out = list(points)
-    built = (PointStatus.OK, PointStatus.OVER_BUDGET)
-    runs = sorted((i for i, p in enumerate(out) if p.status in built
+    runs = sorted((i for i, p in enumerate(out) if p.status in _BUILT
                    and p.compiled_bytes is not None), key=lambda i: -out[i].budget_bytes)
     best: Point | None = None
     best_bytes = 0  # best's compiled bytes
@@ -291,6 +363,22 @@ def check_monotone(points: Sequence[Point]) -> list[Point]:
             out[i] = dataclasses.replace(p, monotone=False)
         if best is None or compiled < best_bytes:
             best, best_bytes = p, compiled
+    fastest: Point | None = None  # the fastest fitting point at a lower budget
+    for i in reversed(runs):
+        p = out[i]
+        if p.status != PointStatus.OK or p.est_step_time_s is None:
+            continue
+        if fastest is not None and fastest.est_step_time_s is not None and \
+                p.budget_bytes > fastest.budget_bytes and \
+                p.est_step_time_s > fastest.est_step_time_s:
+            logger.warning("planner %s is not monotone: budget %s is estimated at %.4g ms, "
+                           "but the lower budget %s at %.4g ms", p.planner,
+                           format_bytes(p.budget_bytes), p.est_step_time_s * 1e3,
+                           format_bytes(fastest.budget_bytes), fastest.est_step_time_s * 1e3)
+            out[i] = dataclasses.replace(p, monotone=False)
+        if fastest is None or fastest.est_step_time_s is None or \
+                p.est_step_time_s < fastest.est_step_time_s:
+            fastest = p
     return out
 
 
@@ -416,6 +504,7 @@ class _Sweep:
             return Point(status=PointStatus.INFEASIBLE, compiled_bytes=err.best_compiled_bytes,
                          host_bytes=None, est_step_time_s=None,
                          solve_time_s=counters.get("planning_s"),
+                         compile_time_s=counters.get("compile_s"),
                          elapsed_s=time.perf_counter() - start, rounds=0, plan=None,
                          min_feasible_bytes=err.min_feasible_bytes, **common)
         except Exception as err:
@@ -433,7 +522,9 @@ class _Sweep:
         point = Point(status=status, compiled_bytes=rep.device_bytes, host_bytes=rep.host_bytes,
                       est_step_time_s=rep.est_step_time_s,
                       solve_time_s=counters.get("planning_s", 0.0),
+                      compile_time_s=counters.get("compile_s", 0.0),
                       elapsed_s=time.perf_counter() - start, rounds=len(rounds), plan=plan,
+                      planned_at_bytes=int(budget_bytes),
                       report=rep, step=jitted, **common)
         logger.info("pareto: %s at %s: %s, %s device, est. %.4g s", config.planner,
                     format_bytes(budget_bytes), status, format_bytes(rep.device_bytes),
