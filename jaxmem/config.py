@@ -144,7 +144,8 @@ class Config:
         what the calls before it left, and a round that would start with (almost)
         nothing left does not (:mod:`jaxmem.verify.timing`). Under
         ``bitwise="auto"`` a 16-bit step's bit-exact and relaxed attempts share
-        it too. Tracing and compiling are not counted; the plan's notes give both.
+        it too. Tracing and compiling are not counted; the plan's notes give the
+        planning and the compiling seconds.
       seed: for planners with randomness.
       on_over_budget: ``"raise"`` an ``InfeasibleBudgetError`` when no plan
         compiles within budget, or ``"warn"`` and run the best plan found.
