@@ -62,7 +62,7 @@ from jaxmem.config import Config
 from jaxmem.cost.profile import planning_cost_model
 from jaxmem.errors import UnsupportedConstructError
 from jaxmem.plans import plan as plan_lib
-from jaxmem.tracing import blocks as blocks_lib, trace as trace_lib
+from jaxmem.tracing import blocks as blocks_lib, scanbodies, trace as trace_lib
 from jaxmem.verify import cache as cache_lib
 from jaxmem.verify.loop import (
     Round,
@@ -76,6 +76,13 @@ from jaxmem.verify.loop import (
 )
 
 logger = logging.getLogger(__name__)
+
+_RELAXED_SCANS = (
+    "jaxmem.optimize(%s): this 16-bit step does not fit its budget as written and its scans "
+    "stack the residuals to win: their bodies are planned as jax.checkpoint blocks, "
+    "recomputed inside the backward loop as jax.checkpoint does, so the loss and gradients "
+    "may differ from the plain step's by a few ulps, as under jax.checkpoint. "
+    "Config(bitwise=True) keeps the bits and leaves the scans as written")
 
 _LEVEL0_NO_PLAN = (
     "{name}: JAXMEM_LEVEL=0 turns jaxmem off, so the step runs as plain jax.jit and has no plan. "
@@ -447,6 +454,37 @@ class Optimized:
                                         allow_remat=config.allow_remat,
                                         allow_offload=config.allow_offload, holds_blocks=True)
 
+    def _traced(self, dyn: tuple[Any, ...], rebuild: Any, config: Config,
+                target: targets_lib.Target) -> tuple[Any, Any, Any]:
+        """The step to plan (under its blocks' decision table, if it has blocks), its graph,
+        and the blocks' :class:`jaxmem.planners.scanplan.BlockPlan` (or ``None``).
+
+        Blocks are the step's ``jaxmem.remat`` calls; a step without them whose scans
+        stack residuals and that does not fit the budget as written is traced again
+        with its scan bodies as blocks (:mod:`jaxmem.tracing.scanbodies`).
+        """
+        from jaxmem.planners import scanplan
+        from jaxmem.planners._shared import fused_segments_are_exact
+
+        program = trace_lib.trace(rebuild, *dyn, donate_argnums=rebuild.donated)
+        graph = graph_lib.analyse(program, target.name)
+        planned = rebuild
+        if not blocks_lib.holds_planned_blocks(program):
+            exact = config.bitwise is True or (config.bitwise == "auto"
+                                               and fused_segments_are_exact(graph))
+            if not scanplan.scans_to_plan(graph, config.budget_bytes(target), exact=exact,
+                                          allowed=config.allow_remat or config.allow_offload):
+                return rebuild, graph, None
+            if config.bitwise == "auto":
+                logger.warning(_RELAXED_SCANS, rebuild.__name__)
+            planned = scanbodies.scan_bodies_as_blocks(rebuild)
+        planned, block_plan = self._block_plan(dyn, planned, config, target)
+        if block_plan is None:
+            return rebuild, graph, None
+        # trace again under the blocks' decision table
+        program = trace_lib.trace(planned, *dyn, donate_argnums=planned.donated)
+        return planned, graph_lib.analyse(program, target.name), block_plan
+
     def _disk_cache(self, config: Config) -> cache_lib.PlanCache | None:
         directory = config.plan_cache_dir()
         if directory is None:
@@ -506,13 +544,7 @@ class Optimized:
             jitted = jax.jit(rebuild, donate_argnums=donated)
             return _Entry(target=target, plan=None, run=jitted, jitted=jitted, fallback="level 0")
         try:
-            program = trace_lib.trace(rebuild, *dyn, donate_argnums=rebuild.donated)
-            block_plan = None
-            if blocks_lib.holds_planned_blocks(program):
-                rebuild, block_plan = self._block_plan(dyn, rebuild, config, target)
-                if block_plan is not None:  # trace again under the blocks' decision table
-                    program = trace_lib.trace(rebuild, *dyn, donate_argnums=rebuild.donated)
-            graph = graph_lib.analyse(program, target.name)
+            rebuild, graph, block_plan = self._traced(dyn, rebuild, config, target)
         except UnsupportedConstructError as err:
             self._counters["fallbacks"] += 1
             logger.warning("jaxmem.optimize(%s): %s -- running the step unplanned (plain "

@@ -460,6 +460,39 @@ def _compiled(tr: _Tracer, table: Mapping[str, str], static_argnums: Sequence[in
 ### Wiring into jaxmem.optimize
 
 
+def scans_to_plan(graph: MemGraph, budget_bytes: int, *, allowed: bool = True,
+                  exact: bool = False) -> bool:
+    """Whether ``@jaxmem.optimize`` plans the scan bodies of ``graph``'s step as blocks.
+
+    Yes when remat or offload is ``allowed``, a forward scan stacks residuals
+    for the backward pass, the step as written does not fit ``budget_bytes`` by
+    the simulator (what the scans stack is then the memory to win), and the plan
+    need not be ``exact``: a body recomputed inside the backward loop is compiled
+    as ``jax.checkpoint`` compiles it, and XLA:CPU rounds some bodies otherwise
+    there (a LayerNorm's, by up to a few ulps), so a bit-exact plan cannot promise
+    the plain step's bits (docs/scans.md).
+    """
+    if not allowed:
+        return False
+    stacked = [s for s in _scan.analyse_scans(graph) if s.residuals]
+    if not stacked:
+        return False
+    peak = simulate(graph).peak_bytes
+    if peak <= budget_bytes:
+        return False
+    what = (f"the step's {len(stacked)} scan(s) stack "
+            f"{sum(r.stacked_bytes for s in stacked for r in s.residuals) / 2**20:.1f} MiB of "
+            f"residuals and it peaks at {peak / 2**20:.1f} MiB for a "
+            f"{budget_bytes / 2**20:.1f} MiB budget")
+    if exact:
+        logger.info("%s; the scan bodies are not planned: plans are bit-exact (Config(bitwise="
+                    "False) plans them)", what)
+        return False
+    logger.info("%s: planning the scan bodies as blocks", what)
+    return True
+
+
+
 def under_decisions(fn: Callable[..., Any], decisions: Mapping[str, str]) -> Callable[..., Any]:
     """``fn`` traced with ``decisions`` active (its attributes, e.g. ``donated``, kept).
 
@@ -518,5 +551,5 @@ def with_block_plan(fn: Callable[..., Any], args: Sequence[Any], *, budget_bytes
     return under_decisions(fn, plan.decisions), plan
 
 
-__all__ = ["BlockPlan", "NameInfo", "NoNamesError", "plan_blocks", "under_decisions",
-           "with_block_plan"]
+__all__ = ["BlockPlan", "NameInfo", "NoNamesError", "plan_blocks", "scans_to_plan",
+           "under_decisions", "with_block_plan"]

@@ -1,8 +1,11 @@
 """Scanned blocks planned by jaxmem:
-``python -m bench.experiments.blocks MODEL SIZE FRACTIONS [OUT.jsonl]``.
+``python -m bench.experiments.blocks MODEL SIZE FRACTIONS [OUT.jsonl] [--policy P]
+[--not-bitwise]``.
 
 Builds the zoo's scan variant of ``MODEL`` with every block under
-``jaxmem.planned_policy()`` (the zoo policy ``"jaxmem"``), measures the
+``jaxmem.planned_policy()`` (the zoo policy ``"jaxmem"``; ``--policy none`` or a stock
+policy: the model as written, whose scan bodies ``@jaxmem.optimize`` plans itself,
+docs/scans.md; ``--not-bitwise``: ``Config(bitwise=False)``), measures the
 unplanned scan step (policy ``"none"``) on the H100 target, and for each
 fraction of that compiled peak runs ``@jaxmem.optimize``: the blocks'
 decision table is chosen first (:mod:`jaxmem.planners.scanplan`), then the default
@@ -19,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -26,7 +30,8 @@ import time
 _MiB = 1 << 20
 
 
-def run(model: str, size: str, fractions: list[float]) -> list[dict]:
+def run(model: str, size: str, fractions: list[float], policy: str = "jaxmem",
+        bitwise: bool | str = "auto") -> list[dict]:
     """One record per fraction of the unplanned scan step's compiled device bytes."""
     import jaxmem
     import jaxmem.models as zoo
@@ -38,13 +43,14 @@ def run(model: str, size: str, fractions: list[float]) -> list[dict]:
                                 donate_argnums=plain.donate_argnums).device_bytes
     records = []
     for fraction in fractions:
-        z = zoo.build(model, size, step="train", policy="jaxmem", scan=True)
+        z = zoo.build(model, size, step="train", policy=policy, scan=True)
         budget = int(fraction * none_bytes)
-        step = jaxmem.optimize(z.fn, config=jaxmem.Config(budget=budget, target="h100"),
-                               donate_argnums=z.donate_argnums)
+        config = jaxmem.Config(budget=budget, target="h100", bitwise=bitwise)
+        step = jaxmem.optimize(z.fn, config=config, donate_argnums=z.donate_argnums)
         args = target.place(z.args)
-        rec: dict = {"model": model, "size": size, "variant": "scan", "fraction": fraction,
-                     "none_bytes": none_bytes, "budget_bytes": budget}
+        rec: dict = {"model": model, "size": size, "variant": "scan", "policy": policy,
+                     "bitwise": bitwise, "fraction": fraction, "none_bytes": none_bytes,
+                     "budget_bytes": budget}
         started = time.perf_counter()
         try:
             verified = step.verified(*args)
@@ -64,14 +70,20 @@ def run(model: str, size: str, fractions: list[float]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else list(argv)
-    if len(args) not in (3, 4):
-        print(__doc__, file=sys.stderr)
-        return 2
-    model, size, fractions = args[0], args[1], [float(f) for f in args[2].split(",")]
-    records = run(model, size, fractions)
-    if len(args) == 4:
-        with open(args[3], "w") as out:
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.blocks",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("size")
+    parser.add_argument("fractions", help="comma-separated fractions of the unplanned peak")
+    parser.add_argument("out", nargs="?", help="write the records to this JSON-lines file")
+    parser.add_argument("--policy", default="jaxmem",
+                        help="the zoo policy inside the scan (default: jaxmem)")
+    parser.add_argument("--not-bitwise", action="store_true", help="Config(bitwise=False)")
+    ns = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    records = run(ns.model, ns.size, [float(f) for f in ns.fractions.split(",")], ns.policy,
+                  False if ns.not_bitwise else "auto")
+    if ns.out:
+        with open(ns.out, "w") as out:
             out.writelines(json.dumps(r) + "\n" for r in records)
     print("\n| budget MiB | status | device MiB | host MiB | est. ms | block decisions |")
     print("|---|---|---|---|---|---|")

@@ -30,14 +30,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import jax
 from jax import ad_checkpoint
 from jax.extend import core as jcore, source_info_util
 
 from jaxmem.tracing import policy as _policy
+from jaxmem.tracing.trace import REMAT_PRIMITIVES
 
 logger = logging.getLogger(__name__)
 
@@ -116,44 +118,58 @@ def uses_planned_blocks(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bo
 ### Naming dots
 
 
-def _name_dots(closed: jcore.ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+def _name_dots(closed: jcore.ClosedJaxpr, args: Sequence[Any], *,
+               inline_checkpoints: bool = False) -> list[Any]:
     """Evaluate ``closed`` on ``args``, tagging untagged ``dot_general`` outputs.
 
     A dot whose output goes straight into a ``checkpoint_name`` keeps the user's
-    name; every other dot output gets ``jaxmem_dot_<k>``.
+    name; every other dot output gets ``jaxmem_dot_<k>``. With
+    ``inline_checkpoints`` the ``jax.checkpoint`` calls inside are evaluated
+    inline (their policies dropped, their dots named too), so the block's table
+    decides their residuals.
     """
-    jaxpr = closed.jaxpr
+    counter = itertools.count()
+    return _eval_naming(closed.jaxpr, closed.consts, args, counter, inline_checkpoints)
+
+
+def _eval_naming(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+                 counter: Iterator[int], inline_checkpoints: bool) -> list[Any]:
     named_inputs = {e.invars[0] for e in jaxpr.eqns if e.primitive.name == "name"
                     and isinstance(e.invars[0], jcore.Var)}
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
     def read(atom: Any) -> Any:
         return atom.val if isinstance(atom, jcore.Literal) else env[atom]
 
-    k = 0
     for eqn in jaxpr.eqns:
-        params = eqn.primitive.get_bind_params(eqn.params)
         stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack), \
                 eqn.ctx.manager:
-            out = eqn.primitive.bind(*map(read, eqn.invars), **params)
-            outs = out if eqn.primitive.multiple_results else [out]
-            if eqn.primitive.name == "dot_general" and eqn.outvars[0] not in named_inputs:
-                outs = [ad_checkpoint.checkpoint_name(outs[0], f"{AUTO_PREFIX}{k}")]
-                k += 1
+            if inline_checkpoints and eqn.primitive.name in REMAT_PRIMITIVES:
+                outs = _eval_naming(eqn.params["jaxpr"], (), list(map(read, eqn.invars)),
+                                    counter, inline_checkpoints)
+            else:
+                params = eqn.primitive.get_bind_params(eqn.params)
+                out = eqn.primitive.bind(*map(read, eqn.invars), **params)
+                outs = out if eqn.primitive.multiple_results else [out]
+                if eqn.primitive.name == "dot_general" and eqn.outvars[0] not in named_inputs:
+                    outs = [ad_checkpoint.checkpoint_name(outs[0],
+                                                          f"{AUTO_PREFIX}{next(counter)}")]
         for v, val in zip(eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = val
     return [read(v) for v in jaxpr.outvars]
 
 
-def named(fn: F, static_argnums: Sequence[int] = ()) -> F:
+def named(fn: F, static_argnums: Sequence[int] = (), *, inline_checkpoints: bool = False) -> F:
     """``fn`` with a ``checkpoint_name`` on every dot output it does not name itself.
 
     Args:
       fn: the block.
       static_argnums: positional arguments passed through unchanged (not traced).
+      inline_checkpoints: evaluate the ``jax.checkpoint`` calls inside ``fn``
+        inline, without their policies (see :func:`_name_dots`).
 
     Returns:
       A function with ``fn``'s signature and results.
@@ -174,7 +190,7 @@ def named(fn: F, static_argnums: Sequence[int] = ()) -> F:
             return fn(*full, **kw)
 
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
-        outs = _name_dots(closed, leaves)
+        outs = _name_dots(closed, leaves, inline_checkpoints=inline_checkpoints)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
     return wrapper  # type: ignore[return-value]
@@ -184,7 +200,8 @@ def named(fn: F, static_argnums: Sequence[int] = ()) -> F:
 
 
 def remat(fn: F | None = None, *, prevent_cse: bool = True,
-          static_argnums: int | Sequence[int] = (), name_dots: bool = True) -> Any:
+          static_argnums: int | Sequence[int] = (), name_dots: bool = True,
+          inline_checkpoints: bool = False) -> Any:
     """Checkpoint ``fn`` with the policy of the active jaxmem plan.
 
     A drop-in for ``jax.checkpoint`` (usable bare or with arguments). At trace
@@ -201,6 +218,10 @@ def remat(fn: F | None = None, *, prevent_cse: bool = True,
       static_argnums: as for ``jax.checkpoint``.
       name_dots: give every untagged ``dot_general`` output a name
         (``jaxmem_dot_<k>``) so a plan can save or offload it.
+      inline_checkpoints: with ``name_dots``, inline the ``jax.checkpoint`` calls
+        inside ``fn`` (dropping their policies) so the plan decides their
+        residuals too; how jaxmem re-plans a scan body the model already
+        checkpoints.
 
     Returns:
       The checkpointed function (or a decorator when ``fn`` is omitted).
@@ -215,11 +236,11 @@ def remat(fn: F | None = None, *, prevent_cse: bool = True,
     """
     if fn is None:
         return functools.partial(remat, prevent_cse=prevent_cse, static_argnums=static_argnums,
-                                 name_dots=name_dots)
+                                 name_dots=name_dots, inline_checkpoints=inline_checkpoints)
     statics = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     if not all(isinstance(i, int) for i in statics):
         raise TypeError(_BAD_STATIC.format(value=static_argnums))
-    body = named(fn, statics) if name_dots else fn
+    body = named(fn, statics, inline_checkpoints=inline_checkpoints) if name_dots else fn
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -144,6 +144,8 @@ class Program:
 def _library_prefixes() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     roots = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    # jaxmem's own frames (an editable install too), e.g. the scan it traces bodies through.
+    roots.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return tuple(os.path.realpath(p) + os.sep for p in roots if p)
 
 
@@ -152,7 +154,7 @@ _LIBRARY_PREFIXES = _library_prefixes()
 
 @functools.lru_cache(maxsize=4096)
 def _is_user_file(file_name: str) -> bool:
-    """A file outside the interpreter's and the installed packages' directories."""
+    """A file outside the interpreter's, the installed packages' and jaxmem's directories."""
     if file_name.startswith("<"):
         return False
     return not os.path.realpath(file_name).startswith(_LIBRARY_PREFIXES)
