@@ -393,10 +393,12 @@ class _Interpreter(_FusionRules):
                     value = self._issue_first(folding, env)
                     offloaded[t] = [("untranspose", self.eqns[folding].params["permutation"]),
                                     *offloaded[t]]
-                elif (form := self._dot_form(root)) is not None:
-                    # The copy of a batched matmul's output is of the matmul XLA computes
-                    # (merged free dimensions), so that a reduction still merges the
-                    # reshape to the output (see _dot_form).
+                elif (form := self._dot_form(root)) is not None and any(
+                        view.primitives[op] in plan_lib.REDUCTIONS
+                        for op in self._reader_ops(self._tensor(root))):
+                    # The copy of a batched matmul's output that a reduction reads is of the
+                    # matmul XLA computes (merged free dimensions), so that the reduction
+                    # still merges the reshape to the output (see _dot_form).
                     offloaded[t] = [("reshape", value.shape), *offloaded[t]]
                     value = jax.lax.reshape(value, form)
                 host[t] = jax.device_put(value, jax.memory.Space.Host)
