@@ -226,12 +226,15 @@ def test_a_32_bit_scanned_step_is_planned_through_its_scan_bodies_with_bitwise_f
     assert _equal(optimized(*args), jax.jit(step)(*args))
 
 
-def test_a_bit_exact_32_bit_step_leaves_its_scans_as_written():
+def test_a_bit_exact_32_bit_step_leaves_its_scans_as_written_and_says_the_way_out():
     step, args, budget, _ = _over_budget_step(jnp.float32)
-    optimized = jaxmem.optimize(step, config=jaxmem.Config(budget=budget, target="h100",
-                                                           on_over_budget="warn"))
-    optimized.verified(*args)
-    assert optimized.block_plan(*args) is None
+    optimized = jaxmem.optimize(step, config=jaxmem.Config(budget=budget, target="h100"))
+    with pytest.raises(jaxmem.InfeasibleBudgetError, match=r"Its scans stack .* of residuals.*"
+                       r"Config\(bitwise=False\) plans the scan bodies"):
+        optimized.verified(*args)
+    warned = jaxmem.optimize(step, config=jaxmem.Config(budget=budget, target="h100",
+                                                        on_over_budget="warn"))
+    assert warned.block_plan(*args) is None
 
 
 def test_a_step_that_fits_as_written_keeps_its_scans():

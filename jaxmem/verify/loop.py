@@ -362,6 +362,7 @@ def _settle(loop: _Loop, arg_labels: Sequence[int | str] | None
     tried = "; ".join(f"planner budget {format_bytes(r.planner_budget_bytes)} -> compiled "
                       f"{format_bytes(r.compiled_bytes)}" for r in rounds)
     tried += "".join(f" ({why})" for why in loop.planning.reached) + _bitwise_hint(graph, config)
+    tried += _scan_hint(graph, config)
     floor, undonated = ((None, ()) if config.allow_state_offload else
                         argument_floor(graph, loop.abstract_args, loop.donate_argnums,
                                        arg_labels))
@@ -485,6 +486,19 @@ def _bitwise_hint(graph: Any, config: Config) -> str:
             "centred input) where the forward pass made them. Config(bitwise=False) recomputes "
             "them whole, as jax.checkpoint does, for a lower peak and gradients within a few "
             "ulps (jax.checkpoint's own policies change the bits of such a step too)")
+
+
+def _scan_hint(graph: Any, config: Config) -> str:
+    """The way out for a bit-exact 32-bit step whose scans stack residuals (docs/scans.md)."""
+    from jaxmem.analysis.scan import analyse_scans
+    from jaxmem.planners._shared import fused_segments_are_exact
+
+    stacked = sum(r.stacked_bytes for s in analyse_scans(graph) for r in s.residuals)
+    if not (config.bitwise and stacked and fused_segments_are_exact(graph)):
+        return ""
+    return (f". Its scans stack {format_bytes(stacked)} of residuals, which bit-exact plans "
+            f"leave as written (a body recomputed inside the backward loop may round otherwise "
+            f"on XLA); Config(bitwise=False) plans the scan bodies as jax.checkpoint blocks")
 
 
 def _alternative_fits(plan: plan_lib.Plan, planner_budget: int, budget: int, seen: set[str],
