@@ -5,6 +5,9 @@ give ``jax.jit(step)``'s bits.
 * a matmul's output that a transpose reads (``jax.vmap`` of an ``eqx.nn.Linear``): XLA folds
   the transpose into the matmul (a matmul with its operands swapped) only while it is the
   matmul's one reader, so the emitter neither ties nor copies the output itself;
+* that output re-issued for one backward op and the residual sum computed from it for a later
+  one: the transpose, re-issued with the sum, reads the earlier copy without a barrier, so XLA
+  still folds it into the copy's matmul;
 * a value re-issued for a weight gradient, whose fused inputs the schedule recomputes for
   later readers too (each such copy reads the first one:
   ``jaxmem.emit.interpreter._Interpreter._issue``);
@@ -54,6 +57,31 @@ def test_reissued_transposed_matmul_output_keeps_the_bits(name):
     tensors = _transposed_matmuls(graph)
     assert tensors
     plan = plan_lib.unplanned(graph).replace(remat={tensors[0]: (_first_backward(graph),)})
+    assert not _differs(graph, args, expected, plan)
+
+
+def _written_from(graph, tensor):
+    """The first value the plain step writes out that is computed from ``tensor`` through
+    fused values (a vmapped Linear's output: the residual sum after the bias and ``tanh``)."""
+    todo = [k for k in _readers(graph, tensor)]
+    while todo:
+        (out,) = graph.ops[todo.pop(0)].outputs
+        if graph.tensors[out].materialized:
+            return out
+        todo += _readers(graph, out)
+    raise AssertionError(f"nothing written from t{tensor}")
+
+
+def test_transposed_matmul_output_and_its_sum_reissued_apart_keep_the_bits():
+    """The matmul's output re-issued before the first backward op, the sum it feeds before
+    the sum's first backward reader (a later op): the transpose and the bias add are then
+    re-issued there, reading the earlier copy (the corpus's ``cpsat`` plan at 10%)."""
+    graph, args, expected = _step("equinox_filter_checkpoint")
+    tensor = _transposed_matmuls(graph)[0]
+    total = _written_from(graph, tensor)
+    first = _first_backward(graph)
+    later = next(k for k in _readers(graph, total) if k > first)
+    plan = plan_lib.unplanned(graph).replace(remat={tensor: (first,), total: (later,)})
     assert not _differs(graph, args, expected, plan)
 
 

@@ -227,13 +227,14 @@ class _Interpreter(_FusionRules):
             # from literals only: XLA folds them into their readers (a division by a keep
             # probability becomes a multiply), which a barrier would stop.
             # A re-issued transpose of a matmul's output that the simplifier folds into the
-            # matmul reads the first transposed value instead (_folded_transpose).
+            # matmul reads the first transposed value instead (_folded_transpose), and one
+            # of a re-issued matmul copy reads that copy as it is (_reissued_fold).
             folded = {id(ev): self._folded_transpose(ev, env) for ev in before
                       if ev.kind in ("remat", "fused")}
             remat_reads = [r for ev in before if ev.kind in ("remat", "fused")
                            and folded[id(ev)] is None for r in ev.reads
                            if r is not None and r not in made_here and self._real(r)
-                           and not self._constant(r)]
+                           and not self._constant(r) and not self._reissued_fold(r)]
             remat_reads += [v for v in folded.values() if v is not None]
             if not any(ev.kind == "remat" for ev in before):
                 remat_reads = []

@@ -133,6 +133,19 @@ class _FusionRules:
                 if self.view.primitives[op] in folding for t in slots if t is not None}
         return self._tensor(version) in self._folding_readers
 
+    def _reissued_fold(self, version: int) -> bool:
+        """Whether ``version`` is a re-issued copy of a matmul's output that its reader folds
+        into the matmul (:meth:`_folded_into_reader`).
+
+        A re-issue of that reader at a later op (a transpose re-issued for a bias add)
+        reads the copy as it is: a barrier between the two would stop the fold, and the
+        copy's matmul would run unfolded, another kernel (other bits). The copy's own
+        inputs went through the barrier where it was re-issued, so it still runs late.
+        """
+        made = self.made_by.get(version)
+        return (made is not None and made.kind in ("remat", "fused")
+                and self._folded_into_reader(version))
+
     def _tensor(self, version: int) -> int:
         return self._extra_tensor.get(version, self.schedule.tensor(version))
 
