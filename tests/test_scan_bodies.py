@@ -245,3 +245,23 @@ def test_a_step_that_fits_as_written_keeps_its_scans():
     optimized = jaxmem.optimize(step, config=jaxmem.Config(budget=2 * written, target="h100"))
     optimized.verified(*args)
     assert optimized.block_plan(*args) is None
+
+
+def test_an_offloaded_name_of_a_scan_body_is_stacked_in_pinned_host_memory_inside_the_loop():
+    """The known trap (offload skipped inside scans): compiled for the H100, the offloaded
+    name's stack lives in pinned host memory (``S(5)``), written slice by slice inside the
+    forward loop; saved, it stays on the device."""
+    from jaxmem import targets
+
+    args = targets.get("h100").place(_args(4, batch=64))
+    step = scan_bodies_as_blocks(jax.value_and_grad(_scan_loss))
+    reports = {}
+    for how in ("offload", "save"):
+        with policy.use_decisions({"jaxmem_dot_0": how, "jaxmem_dot_1": "remat"}):
+            reports[how] = jaxmem.measure(step, *args, target="h100")
+    off, save = reports["offload"], reports["save"]
+    stacked = 4 * 64 * D * 4  # layers x one (64, D) float32 slice
+    assert off.host_bytes == stacked and save.host_bytes == 0
+    assert off.device_bytes < save.device_bytes
+    assert "S(5)" in off.hlo_text and "S(5)" not in save.hlo_text
+    assert "dynamic-update-slice-start" in off.hlo_text
