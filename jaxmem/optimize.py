@@ -445,14 +445,16 @@ class Optimized:
         return graph_lib.analyse(program, target.name)
 
     def _block_plan(self, dyn: tuple[Any, ...], rebuild: Any, config: Config,
-                    target: targets_lib.Target) -> tuple[Any, Any]:
-        """The step under the decision table of its jaxmem.remat blocks, which its trace holds."""
+                    target: targets_lib.Target, scan_bodies: bool = False) -> tuple[Any, Any]:
+        """The step under the decision table of its blocks: its jaxmem.remat calls, or its scan
+        bodies made blocks (``scan_bodies``)."""
         from jaxmem.planners import scanplan
 
         return scanplan.with_block_plan(rebuild, dyn, budget_bytes=config.budget_bytes(target),
                                         target=target.name, donate_argnums=rebuild.donated,
                                         allow_remat=config.allow_remat,
-                                        allow_offload=config.allow_offload, holds_blocks=True)
+                                        allow_offload=config.allow_offload, holds_blocks=True,
+                                        scan_bodies=scan_bodies)
 
     def _traced(self, dyn: tuple[Any, ...], rebuild: Any, config: Config,
                 target: targets_lib.Target) -> tuple[Any, Any, Any]:
@@ -468,19 +470,19 @@ class Optimized:
 
         program = trace_lib.trace(rebuild, *dyn, donate_argnums=rebuild.donated)
         graph = graph_lib.analyse(program, target.name)
-        planned = rebuild
-        if not blocks_lib.holds_planned_blocks(program):
+        planned, scan_bodies = rebuild, not blocks_lib.holds_planned_blocks(program)
+        if scan_bodies:
             exact = config.bitwise is True or (config.bitwise == "auto"
                                                and fused_segments_are_exact(graph))
             if not scanplan.scans_to_plan(graph, config.budget_bytes(target), exact=exact,
                                           allowed=config.allow_remat or config.allow_offload):
                 return rebuild, graph, None
-            if config.bitwise == "auto":
-                logger.warning(_RELAXED_SCANS, rebuild.__name__)
             planned = scanbodies.scan_bodies_as_blocks(rebuild)
-        planned, block_plan = self._block_plan(dyn, planned, config, target)
+        planned, block_plan = self._block_plan(dyn, planned, config, target, scan_bodies)
         if block_plan is None:
             return rebuild, graph, None
+        if scan_bodies and config.bitwise == "auto":
+            logger.warning(_RELAXED_SCANS, rebuild.__name__)
         # trace again under the blocks' decision table
         program = trace_lib.trace(planned, *dyn, donate_argnums=planned.donated)
         return planned, graph_lib.analyse(program, target.name), block_plan

@@ -514,8 +514,8 @@ def under_decisions(fn: Callable[..., Any], decisions: Mapping[str, str]) -> Cal
 
 def with_block_plan(fn: Callable[..., Any], args: Sequence[Any], *, budget_bytes: int,
                     target: str, donate_argnums: Sequence[int] = (), allow_remat: bool = True,
-                    allow_offload: bool = True, holds_blocks: bool | None = None
-                    ) -> tuple[Callable[..., Any], BlockPlan | None]:
+                    allow_offload: bool = True, holds_blocks: bool | None = None,
+                    scan_bodies: bool = False) -> tuple[Callable[..., Any], BlockPlan | None]:
     """Plan the step's jaxmem blocks, if it has any, and return the step under that plan.
 
     ``@jaxmem.optimize`` calls this when its trace of the step found such blocks
@@ -525,7 +525,9 @@ def with_block_plan(fn: Callable[..., Any], args: Sequence[Any], *, budget_bytes
     :func:`plan_blocks` at the step's budget; the rest of the pipeline then
     plans the step with the table applied. Steps without such blocks come back
     unchanged, with ``None``; so do all steps when neither remat nor offload is
-    allowed (the blocks then save every residual).
+    allowed (the blocks then save every residual). ``scan_bodies``: the blocks are the
+    step's scan bodies, made blocks by jaxmem (:mod:`jaxmem.tracing.scanbodies`), not the
+    user's; the log lines say so, and bodies with nothing to plan are no warning.
     """
     from jaxmem.tracing.blocks import uses_planned_blocks  # blocks imports policy only; no cycle
 
@@ -540,12 +542,17 @@ def with_block_plan(fn: Callable[..., Any], args: Sequence[Any], *, budget_bytes
                            donate_argnums=tuple(donate_argnums), allow_remat=allow_remat,
                            allow_offload=allow_offload)
     except NoNamesError as err:
-        logger.warning("jaxmem blocks found but nothing to plan in them (%s); they save every "
-                       "residual", err)
+        if scan_bodies:
+            logger.info("the scan bodies have nothing to plan (%s); the scans stay as written",
+                        err)
+        else:
+            logger.warning("jaxmem blocks found but nothing to plan in them (%s); they save "
+                           "every residual", err)
         return fn, None
+    what = "the scan bodies" if scan_bodies else "the jaxmem blocks"
     if plan.status != "ok":
-        logger.warning("no decision table for the jaxmem blocks fits the budget; using the "
-                       "smallest one found:\n%s", plan.summary())
+        logger.warning("no decision table for %s fits the budget; using the smallest one "
+                       "found:\n%s", what, plan.summary())
     else:
         logger.info("%s", plan.summary())
     return under_decisions(fn, plan.decisions), plan
