@@ -136,7 +136,10 @@ class Config:
         for a lower peak, with gradients within a few ulps of the plain step's, as
         under ``jax.checkpoint``. On target ``cpu``, ``False`` also compiles with
         ``targets.CPU_KEEP_REMAT``: XLA:CPU otherwise merges every recomputation
-        back into its original, so no remat saves memory there.
+        back into its original, so no remat saves memory there. A step whose scans
+        stack residuals and that misses its budget has its scan bodies planned as
+        ``jax.checkpoint`` blocks only where bits may change: under ``False``, and
+        under ``"auto"`` on a 16-bit step (docs/scans.md).
       time_limit_s: wall time the planner may spend on a step, every verify
         round and every attempt together: the first round gets half of it and
         the later rounds (re-plans after a compile over the budget) share the
