@@ -55,6 +55,11 @@ KNOWN_ON_CURRENT_JAX = {
         # Any corpus step whose plan recomputes (the 0.12 runs found 9 of 49 at 50%).
         "tests/test_corpus.py::test_step_is_bitwise_or_a_clear_error[",
         "tests/test_exactness_property.py::test_random_programs_keep_their_arithmetic",
+        # The split-everything remat plan of ['residual', 'reduce', 'reshape', 'residual'] at
+        # width 16: each of its three re-issues alone moves 109 of the first weight gradient's
+        # 256 elements on 0.12 (14 kernels, 10 in the plain step); exact without FMA
+        # (--xla_cpu_max_isa=AVX), and on 0.10.2.
+        "tests/test_exactness_property.py::test_found_examples_keep_their_arithmetic[spec4-16-0-",
         "tests/test_emit.py::test_a_copy_left_to_one_summing_reader_stays_a_buffer_on_the_cpu[",
         "tests/test_exactness_dropout.py::test_linen_dropout_read_by_a_layernorm_is_not_reissued[",
         "tests/test_literature_planners.py::test_fused_segments_are_exact_on_32_bit_steps_and_"

@@ -20,7 +20,10 @@ product re-issued by greedy (the product is re-issued with it:
 read, not from a recomputed chain the simplifier rewrites: ``jaxmem.emit``), greedy's
 re-issue of a mask count (its converted mask recomputed from the comparison), and greedy's
 re-issue of a product whose written operand is a constant scaling (the operand's chain
-recomputed for the product to see, as for the first class).
+recomputed for the product to see, as for the first class), and the split-everything remat
+plan of ``['residual', 'reduce', 'reshape', 'residual']`` at width 16 (the centred value
+re-issued from the forward pass's mean, not from its sum:
+``jaxmem.emit.rules._FusionRules._untied_statistics``).
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ FOUND = [
     (["residual", "reshape", "reshape", "max"], 8, 0, 0.5, "remat"),
     (["matmul", "reduce", "max"], 8, 0, 0.5, "greedy"),
     (["residual", "reshape", "broadcast", "matmul", "matmul"], 8, 0, 0.5, "greedy"),
+    (["residual", "reduce", "reshape", "residual"], 16, 0, 1.0, "remat"),
 ]
 
 

@@ -228,13 +228,16 @@ class _Interpreter(_FusionRules):
             # probability becomes a multiply), which a barrier would stop.
             # A re-issued transpose of a matmul's output that the simplifier folds into the
             # matmul reads the first transposed value instead (_folded_transpose), and one
-            # of a re-issued matmul copy reads that copy as it is (_reissued_fold).
+            # of a re-issued matmul copy reads that copy as it is (_reissued_fold). A mean
+            # is read as the forward pass computed it, not from a copy of its sum
+            # (_untied_statistics).
             folded = {id(ev): self._folded_transpose(ev, env) for ev in before
                       if ev.kind in ("remat", "fused")}
             remat_reads = [r for ev in before if ev.kind in ("remat", "fused")
                            and folded[id(ev)] is None for r in ev.reads
                            if r is not None and r not in made_here and self._real(r)
                            and not self._constant(r) and not self._reissued_fold(r)]
+            remat_reads = self._untied_statistics(before, remat_reads)
             remat_reads += [v for v in folded.values() if v is not None]
             if not any(ev.kind == "remat" for ev in before):
                 remat_reads = []

@@ -146,6 +146,36 @@ class _FusionRules:
         return (made is not None and made.kind in ("remat", "fused")
                 and self._folded_into_reader(version))
 
+    def _untied_statistics(self, before: Sequence[plan_lib.Event], reads: list[int]
+                           ) -> list[int]:
+        """``reads`` (what the re-issues ``before`` an op read) less the reductions' outputs
+        that they read only through fused one-operand ops (a mean's broadcast and division).
+
+        Read without a barrier, such an op is issued on the very value it read in the
+        forward pass and gives that pass's value (see ``_issue``): the re-issue reads the
+        mean, not the sum. A barrier copy of the sum would give the reduction a second
+        reader once XLA:CPU removes the barrier ahead of fusion; a reduction is not
+        duplicated into two readers, so the producers on its paths that read more than
+        they write (a residual sum ``x + tanh(x @ w)``) are no longer fused into every
+        reader, and become a buffer. A sum reading the buffer instead of recomputing it
+        is vectorized otherwise by LLVM and adds in another order (a centred, reshaped
+        residual re-issued for its weight gradient: 68 of 256 elements of the first
+        layer's weight gradient moved). At least one read stays tied, so the re-issue
+        still runs late.
+        """
+        def statistic(ev: plan_lib.Event, r: int) -> bool:
+            made = self.made_by.get(r)
+            if (ev.kind != "fused" or made is None or made.kind != "op"
+                    or self.view.primitives[_event_op(made)] not in plan_lib.REDUCTIONS
+                    or self._reshaping_reduction(_event_op(made))):
+                return False
+            return [x for x in ev.reads if x is not None and not self._constant(x)] == [r]
+
+        untied = {r for r in reads
+                  if all(statistic(ev, r) for ev in before if r in ev.reads)}
+        rest = [r for r in reads if r not in untied]
+        return rest if rest else reads
+
     def _tensor(self, version: int) -> int:
         return self._extra_tensor.get(version, self.schedule.tensor(version))
 
