@@ -276,6 +276,20 @@ class Config:
         """Whether plans are made bit-exact (``bitwise`` is ``True`` or ``"auto"``)."""
         return self.bitwise is not False
 
+    def must_be_exact(self, sixteen_bit: bool) -> bool:
+        """Whether a step's plans must keep its bits: under ``bitwise=True``, and under
+        ``"auto"`` for a step without 16-bit floating-point values (``sixteen_bit``: the
+        step has some, ``not jaxmem.planners._shared.fused_segments_are_exact(graph)``).
+        Under ``"auto"`` a 16-bit step's plans are bit-exact first (:attr:`exact`) and
+        relaxed where no bit-exact plan fits the budget.
+
+        >>> [Config(bitwise=b).must_be_exact(sixteen_bit=True) for b in (True, "auto", False)]
+        [True, False, False]
+        >>> [Config(bitwise=b).must_be_exact(sixteen_bit=False) for b in (True, "auto", False)]
+        [True, True, False]
+        """
+        return self.bitwise is True or (self.exact and not sixteen_bit)
+
     @property
     def host_budget_bytes(self) -> int:
         return parse_bytes(self.host_budget, "host_budget")

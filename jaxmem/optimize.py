@@ -472,8 +472,7 @@ class Optimized:
         graph = graph_lib.analyse(program, target.name)
         planned, scan_bodies = rebuild, not blocks_lib.holds_planned_blocks(program)
         if scan_bodies:
-            exact = config.bitwise is True or (config.bitwise == "auto"
-                                               and fused_segments_are_exact(graph))
+            exact = config.must_be_exact(sixteen_bit=not fused_segments_are_exact(graph))
             if not scanplan.scans_to_plan(graph, config.budget_bytes(target), exact=exact,
                                           allowed=config.allow_remat or config.allow_offload):
                 return rebuild, graph, None

@@ -427,7 +427,7 @@ def argument_floor(graph: Any, args: Sequence[Any], donate_argnums: Sequence[int
 def _relaxable(graph: Any, config: Config) -> bool:
     """Whether ``bitwise="auto"`` may plan this step relaxed when no bit-exact plan fits
     (a 16-bit step whose bit-exact plans leave fused values where they are)."""
-    return config.bitwise == "auto" and bool(_bitwise_hint(graph, config))
+    return config.exact and not config.must_be_exact(_sixteen_bit(graph))
 
 
 def _relaxed(loop: _Loop, cost_model: Any, cost_notes: Sequence[str],
@@ -475,11 +475,16 @@ def _recomputed_whole(graph: Any, plan: plan_lib.Plan) -> list[str]:
     return names
 
 
-def _bitwise_hint(graph: Any, config: Config) -> str:
-    """Why a 16-bit step may miss its budget under ``bitwise=True``, and the way out."""
+def _sixteen_bit(graph: Any) -> bool:
+    """Whether the step has 16-bit floating-point values (see :meth:`Config.must_be_exact`)."""
     from jaxmem.planners._shared import fused_segments_are_exact
 
-    if not config.bitwise or fused_segments_are_exact(graph):
+    return not fused_segments_are_exact(graph)
+
+
+def _bitwise_hint(graph: Any, config: Config) -> str:
+    """Why a 16-bit step may miss its budget under ``bitwise=True``, and the way out."""
+    if not (config.exact and _sixteen_bit(graph)):
         return ""
     return (". This step has 16-bit floating-point values: to keep its bits, the remat planners "
             "leave the values XLA fuses into a summation (a softmax's exponential, a norm's "
@@ -491,10 +496,10 @@ def _bitwise_hint(graph: Any, config: Config) -> str:
 def _scan_hint(graph: Any, config: Config) -> str:
     """The way out for a bit-exact 32-bit step whose scans stack residuals (docs/scans.md)."""
     from jaxmem.analysis.scan import analyse_scans
-    from jaxmem.planners._shared import fused_segments_are_exact
 
     stacked = sum(r.stacked_bytes for s in analyse_scans(graph) for r in s.residuals)
-    if not (config.bitwise and stacked and fused_segments_are_exact(graph)):
+    sixteen_bit = _sixteen_bit(graph)
+    if sixteen_bit or not (stacked and config.must_be_exact(sixteen_bit)):
         return ""
     return (f". Its scans stack {format_bytes(stacked)} of residuals, which bit-exact plans "
             f"leave as written (a body recomputed inside the backward loop may round otherwise "
