@@ -44,6 +44,7 @@ beside the estimate.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -57,6 +58,7 @@ from jaxmem.cost.blockcost import eqns_flops, forward_names, scan_bodies
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.errors import NoNamesError
 from jaxmem.tracing import policy as _policy
+from jaxmem.tracing.scanbodies import step_within
 from jaxmem.tracing.trace import Program, trace
 
 logger = logging.getLogger(__name__)
@@ -501,15 +503,7 @@ def under_decisions(fn: Callable[..., Any], decisions: Mapping[str, str]) -> Cal
     """
     table = dict(decisions)
     _policy.check_decisions(table)
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with _policy.use_decisions(table):
-            return fn(*args, **kwargs)
-
-    run.__dict__.update(getattr(fn, "__dict__", {}))
-    run.__name__ = getattr(fn, "__name__", "step")
-    run.__wrapped__ = fn  # type: ignore[attr-defined]
-    return run
+    return step_within(fn, functools.partial(_policy.use_decisions, table))
 
 
 def with_block_plan(fn: Callable[..., Any], args: Sequence[Any], *, budget_bytes: int,

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import jax
 
@@ -98,9 +98,26 @@ def scan_bodies_as_blocks(fn: Callable[..., Any]) -> Callable[..., Any]:
     ``donated``) are kept.
     """
     _install()
+    return step_within(fn, functools.partial(_ON, True))
+
+
+def step_within(fn: Callable[..., Any],
+                context: Callable[[], ContextManager[Any]]) -> Callable[..., Any]:
+    """``fn`` run inside a fresh ``context()`` at every call, as the step it stands for:
+    ``fn``'s attributes (e.g. ``donated``) and ``__name__`` (``"step"`` when it has none)
+    kept, ``fn`` as its ``__wrapped__``.
+
+    >>> import contextlib
+    >>> def step(x):
+    ...     return x + 1
+    >>> step.donated = (0,)
+    >>> run = step_within(step, contextlib.nullcontext)
+    >>> run(1), run.__name__, run.donated, run.__wrapped__ is step
+    (2, 'step', (0,), True)
+    """
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        with _ON(True):
+        with context():
             return fn(*args, **kwargs)
 
     run.__dict__.update(getattr(fn, "__dict__", {}))
@@ -109,4 +126,4 @@ def scan_bodies_as_blocks(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-__all__ = ["scan_bodies_as_blocks"]
+__all__ = ["scan_bodies_as_blocks", "step_within"]
