@@ -469,19 +469,23 @@ class Optimized:
         from jaxmem.planners._shared import fused_segments_are_exact
 
         program = trace_lib.trace(rebuild, *dyn, donate_argnums=rebuild.donated)
-        graph = graph_lib.analyse(program, target.name)
-        planned, scan_bodies = rebuild, not blocks_lib.holds_planned_blocks(program)
-        if scan_bodies:
+        if blocks_lib.holds_planned_blocks(program):
+            # The step as written is analysed only when its blocks get no decision table.
+            planned, block_plan = self._block_plan(dyn, rebuild, config, target)
+            if block_plan is None:
+                return rebuild, graph_lib.analyse(program, target.name), None
+        else:
+            graph = graph_lib.analyse(program, target.name)
             exact = config.must_be_exact(sixteen_bit=not fused_segments_are_exact(graph))
             if not scanplan.scans_to_plan(graph, config.budget_bytes(target), exact=exact,
                                           allowed=config.allow_remat or config.allow_offload):
                 return rebuild, graph, None
-            planned = scanbodies.scan_bodies_as_blocks(rebuild)
-        planned, block_plan = self._block_plan(dyn, planned, config, target, scan_bodies)
-        if block_plan is None:
-            return rebuild, graph, None
-        if scan_bodies and config.bitwise == "auto":
-            logger.warning(_RELAXED_SCANS, rebuild.__name__)
+            planned, block_plan = self._block_plan(dyn, scanbodies.scan_bodies_as_blocks(rebuild),
+                                                   config, target, scan_bodies=True)
+            if block_plan is None:
+                return rebuild, graph, None
+            if config.bitwise == "auto":
+                logger.warning(_RELAXED_SCANS, rebuild.__name__)
         # trace again under the blocks' decision table
         program = trace_lib.trace(planned, *dyn, donate_argnums=planned.donated)
         return planned, graph_lib.analyse(program, target.name), block_plan

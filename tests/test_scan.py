@@ -311,9 +311,21 @@ def test_plan_blocks_respects_what_it_may_do_and_reports_over_budget():
 ### Wiring into jaxmem.optimize
 
 
-def test_optimize_plans_the_jaxmem_remat_blocks_of_a_step():
+def test_optimize_plans_the_jaxmem_remat_blocks_of_a_step(monkeypatch):
+    import importlib
+    import types
+
     import jaxmem
 
+    # jaxmem.optimize analyses each step once: under its blocks' table, or as written.
+    optimize_module = importlib.import_module("jaxmem.optimize")
+    analysed = []
+
+    def counted(program, target):
+        analysed.append(program)
+        return analyse(program, target)
+
+    monkeypatch.setattr(optimize_module, "graph_lib", types.SimpleNamespace(analyse=counted))
     ws, x = _mlp_args()
     layer = remat(_mlp_layer, prevent_cse=False)
 
@@ -334,11 +346,13 @@ def test_optimize_plans_the_jaxmem_remat_blocks_of_a_step():
     assert any("jaxmem.remat blocks" in n for n in optimized.plan(ws, x).notes)
     assert dict(optimized.plan(ws, x).block_decisions) == dict(block_plan.decisions)
     assert _equal(got, jax.jit(jax.value_and_grad(functools.partial(_mlp_loss, _mlp_layer)))(ws, x))
+    assert len(analysed) == 1
     # A step without jaxmem blocks is left to the graph planner alone.
     plain = jaxmem.optimize(jax.value_and_grad(functools.partial(_mlp_loss, _mlp_layer)),
                             config=jaxmem.Config(budget=2 * reports["top"], target="cpu"))
     plain(ws, x)
     assert plain.block_plan(ws, x) is None
+    assert len(analysed) == 2
 
 
 def test_plan_blocks_plans_unrolled_blocks_once_for_all():
