@@ -25,7 +25,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 VOCAB, SEQ, D, HEADS, LAYERS, BATCH = 128, 32, 64, 4, 2, 8
 
 
-def _ulps(got: Any, expected: Any) -> float:
+def bf16_ulps(got: Any, expected: Any) -> float:
     """The largest difference over the output leaves, in bf16 ulps of each leaf's largest
     magnitude (2**-7 of the power of two at or below it)."""
     import jax
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         stock, device = {}, {}
         for policy, (pfn, pargs) in variants.items():
             device[policy] = jaxmem.measure(pfn, *pargs, target="h100").device_bytes
-            stock[policy] = _ulps(jax.jit(pfn)(*pargs), plain)
+            stock[policy] = bf16_ulps(jax.jit(pfn)(*pargs), plain)
             print(f"| {step_name} | {policy} | {device[policy] / 2**20:,.3f} | "
                   f"{stock[policy]:.2f} |", flush=True)
         furthest = max(stock.values())
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 failures += 1
                 continue
             relaxed = any(n.startswith("bitwise='auto'") for n in plan.notes)
-            ulps = _ulps(optimized(*inputs), plain)
+            ulps = bf16_ulps(optimized(*inputs), plain)
             failures += ulps > furthest or plan.status != "ok"
             print(f"| {step_name} | jaxmem at {budget / 2**20:,.3f} MiB: "
                   f"{'relaxed' if relaxed else 'bit-exact'}, {plan.status} | "

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import jaxmem
+from bench.bf16 import bf16_ulps
 
 B, T, D, LAYERS = 16, 64, 64, 3
 
@@ -59,18 +60,6 @@ STOCK = {"nothing_saveable": jax.checkpoint_policies.nothing_saveable,
 def _checkpointed(policy):
     layer = jax.checkpoint(_layer, policy=policy)
     return lambda params, x: jax.value_and_grad(lambda p, x: _loss(p, x, layer))(params, x)
-
-
-def _ulps(got, expected) -> float:
-    """The largest difference over the output leaves, in bf16 ulps of each leaf's largest
-    magnitude (2**-7 of the power of two at or below it)."""
-    worst = 0.0
-    for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        scale = np.max(np.abs(y))
-        ulp = 2.0 ** (np.floor(np.log2(scale)) - 7) if scale > 0 else 1.0
-        worst = max(worst, float(np.max(np.abs(x - y))) / ulp)
-    return worst
 
 
 def _args(dtype):
@@ -180,6 +169,6 @@ def test_a_relaxed_plan_is_no_further_from_the_plain_step_than_the_stock_policie
         budget=budget, target="h100", planner="sublinear", time_limit_s=10))
     assert any(n.startswith("bitwise='auto'") for n in optimized.verified(*args).plan.notes)
     plain = jax.jit(step)(*args)
-    stock = {name: _ulps(jax.jit(_checkpointed(p))(*args), plain) for name, p in STOCK.items()}
-    relaxed = _ulps(optimized(*args), plain)
+    stock = {name: bf16_ulps(jax.jit(_checkpointed(p))(*args), plain) for name, p in STOCK.items()}
+    relaxed = bf16_ulps(optimized(*args), plain)
     assert relaxed <= max(stock.values()), (relaxed, stock)
