@@ -444,18 +444,6 @@ class Optimized:
         program = trace_lib.trace(rebuild, *dyn, donate_argnums=rebuild.donated)
         return graph_lib.analyse(program, target.name)
 
-    def _block_plan(self, dyn: tuple[Any, ...], rebuild: Any, config: Config,
-                    target: targets_lib.Target, scan_bodies: bool = False) -> tuple[Any, Any]:
-        """The step under the decision table of its blocks: its jaxmem.remat calls, or its scan
-        bodies made blocks (``scan_bodies``)."""
-        from jaxmem.planners import scanplan
-
-        return scanplan.with_block_plan(rebuild, dyn, budget_bytes=config.budget_bytes(target),
-                                        target=target.name, donate_argnums=rebuild.donated,
-                                        allow_remat=config.allow_remat,
-                                        allow_offload=config.allow_offload, holds_blocks=True,
-                                        scan_bodies=scan_bodies)
-
     def _traced(self, dyn: tuple[Any, ...], rebuild: Any, config: Config,
                 target: targets_lib.Target) -> tuple[Any, Any, Any]:
         """The step to plan (under its blocks' decision table, if it has blocks), its graph,
@@ -469,25 +457,26 @@ class Optimized:
         from jaxmem.planners._shared import fused_segments_are_exact
 
         program = trace_lib.trace(rebuild, *dyn, donate_argnums=rebuild.donated)
-        if blocks_lib.holds_planned_blocks(program):
-            # The step as written is analysed only when its blocks get no decision table.
-            planned, block_plan = self._block_plan(dyn, rebuild, config, target)
-            if block_plan is None:
-                return rebuild, graph_lib.analyse(program, target.name), None
-        else:
-            graph = graph_lib.analyse(program, target.name)
+        planned, scan_bodies = rebuild, not blocks_lib.holds_planned_blocks(program)
+        # The step as written is analysed here only when it holds no jaxmem.remat blocks.
+        graph = graph_lib.analyse(program, target.name) if scan_bodies else None
+        if graph is not None:
             exact = config.must_be_exact(sixteen_bit=not fused_segments_are_exact(graph))
             if not scanplan.scans_to_plan(graph, config.budget_bytes(target), exact=exact,
                                           allowed=config.allow_remat or config.allow_offload):
                 return rebuild, graph, None
-            planned, block_plan = self._block_plan(dyn, scanbodies.scan_bodies_as_blocks(rebuild),
-                                                   config, target, scan_bodies=True)
-            if block_plan is None:
-                return rebuild, graph, None
-            if config.bitwise == "auto":
-                logger.warning(_RELAXED_SCANS, rebuild.__name__)
+            planned = scanbodies.scan_bodies_as_blocks(rebuild)
+        planned, block_plan = scanplan.with_block_plan(
+            planned, dyn, budget_bytes=config.budget_bytes(target), target=target.name,
+            donate_argnums=rebuild.donated, allow_remat=config.allow_remat,
+            allow_offload=config.allow_offload, holds_blocks=True, scan_bodies=scan_bodies)
+        if block_plan is None:
+            graph = graph_lib.analyse(program, target.name) if graph is None else graph
+            return rebuild, graph, None
+        if scan_bodies and config.bitwise == "auto":
+            logger.warning(_RELAXED_SCANS, rebuild.__name__)
         # trace again under the blocks' decision table
-        program = trace_lib.trace(planned, *dyn, donate_argnums=planned.donated)
+        program = trace_lib.trace(planned, *dyn, donate_argnums=rebuild.donated)
         return planned, graph_lib.analyse(program, target.name), block_plan
 
     def _disk_cache(self, config: Config) -> cache_lib.PlanCache | None:
