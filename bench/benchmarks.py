@@ -111,6 +111,50 @@ def _render_markdown(root: str, folder: str) -> str:
         return source.read().rstrip()
 
 
+def _jsonl(path: str) -> list[Record]:
+    with open(path, encoding="utf-8") as source:
+        return [json.loads(line) for line in source if line.strip()]
+
+
+def _render_device(root: str, folder: str) -> str:
+    """The device's measurements beside the target's compile-only figures, and the
+    scan-offload check (``bench.experiments.on_device``)."""
+    def mib(v: Any) -> str:
+        return "-" if v is None else f"{v / 2**20:,.0f}"
+
+    def ms(v: Any) -> str:
+        return "-" if v is None else f"{v * 1e3:.1f}"
+
+    rows = ["| step | policy or plan | compiled MiB | measured MiB | est. ms | measured ms "
+            "| measured / est. |", "|---|---|---|---|---|---|---|"]
+    for r in _jsonl(os.path.join(root, folder, "results.jsonl")):
+        name = (r["planner"] if r["kind"] == "peer" else
+                f"jaxmem `{r['planner']}` at {r['budget_fraction']:g} "
+                f"({mib(r['budget_bytes'])} MiB): {r['status']}")
+        ratio = (f"{r['step_time_s'] / r['est_step_time_s']:.2f}"
+                 if r.get("step_time_s") and r.get("est_step_time_s") else "-")
+        rows.append(f"| {r['model']} {r['size']} {r['variant']} | {name} "
+                    f"| {mib(r['compiled_peak_bytes'])} | {mib(r['measured_peak_bytes'])} "
+                    f"| {ms(r['est_step_time_s'])} | {ms(r['step_time_s'])} "
+                    f"(median of {len(r['step_times_s'])}) | {ratio} |")
+    checks = ["| decision table | pinned-host buffers | host temp MiB | device temp MiB "
+              "| ms | elements differing from plain | from every name saved |",
+              "|---|---|---|---|---|---|---|"]
+    for r in _jsonl(os.path.join(root, folder, "offload_check.jsonl")):
+        checks.append(
+            f"| {r['table']} | {r.get('pinned_host_buffers', '-')} "
+            f"| {mib(r.get('host_temp_bytes'))} | {mib(r.get('device_temp_bytes'))} "
+            f"| {ms(r.get('step_time_s'))} "
+            f"| {r['differing_elements']:,} of {r['compared_elements']:,} "
+            + ("" if r.get("max_abs_diff") is None else f"(max {r['max_abs_diff']:.2g}) ")
+            + f"| {r['differing_from_saved']:,} |" if "differing_from_saved" in r else
+            f"| {r['table']} | - | - | - | - | {r['differing_elements']:,} of "
+            f"{r['compared_elements']:,} | - |")
+    return "\n\n".join(["\n".join(rows), "Scan offload on the device (`gpt2` small, "
+                          "scanned, train step; the scan bodies as blocks under one decision "
+                          "table per kind):", "\n".join(checks)])
+
+
 SECTIONS = (
     Section(
         "main", "The default model: every stock policy and every planner",
@@ -165,6 +209,29 @@ SECTIONS = (
         "  || echo \"exit status $?: a plan missed its budget or is further than the stock "
         "policies\" >> $OUT/output.txt",
         _render_markdown),
+    Section(
+        "h200", "Measured on an H200: peaks and step times beside the estimates",
+        "The zoo's scanned GPT-2 (bench size, train step, dropout 0.1) run on an NVIDIA H200: "
+        "as written, under the stock `full` policy, and planned by `@jaxmem.optimize` "
+        "(`bitwise=False`: the scan bodies are planned) at 25% of the unplanned step's "
+        "compiled peak, called on the arrays on the GPU as a user calls it. *compiled MiB* and "
+        "*est. ms* are the H200 target's compile-only figures and roofline estimate; "
+        "*measured MiB* is the device allocator's peak over the step's first call, "
+        "*measured ms* the median wall time of the timed calls. Then the scan-offload "
+        "traps: the scanned step's scan bodies as blocks under each decision kind, compared "
+        "element by element with the plain step on the same GPU. The GPU is not bitwise "
+        "deterministic run to run (the first row), and any change of program moves bits "
+        "(saving every name already does); a wrong gradient would show as a larger "
+        "*max*, which offloading does not reach. These records need a GPU: `--run h200` "
+        "on a machine without one fails.",
+        "\n".join([
+            "export JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=0.92",
+            "python -m bench.experiments.on_device gpt2 small --offload-check --repeats 5 "
+            "--out $OUT",
+            "python -m bench.experiments.on_device gpt2 bench --scan --not-bitwise "
+            "--policies none,full --fractions 0.25 --target h200 --time-limit-s 20 "
+            "--repeats 5 --out $OUT"]),
+        _render_device),
 )
 
 _HEADER = """\
