@@ -57,6 +57,7 @@ from jaxmem._arguments import (
     signature_of,
     split_call,
 )
+from jaxmem._nnx_step import NnxStep
 from jaxmem.analysis import graph as graph_lib
 from jaxmem.config import Config
 from jaxmem.cost.profile import planning_cost_model
@@ -581,54 +582,14 @@ class Optimized:
                       block_plan=block_plan)
 
 
-class _NnxOptimized(Optimized):
-    """An ``nnx.jit``-wrapped step: planned on its pure function, called as ``nnx.jit`` calls.
-
-    ``nnx.jit`` turns the Modules, Optimizers and other graph nodes among the
-    arguments into their state, runs a jitted pure function on it and writes the
-    new state back into the objects. Here the pure function is the one planned,
-    emitted and compiled, so objects updated in place by the step are updated as
-    under ``nnx.jit``; its static and donated arguments are kept.
-    """
+class _NnxOptimized(NnxStep, Optimized):
+    """An ``nnx.jit``-wrapped step: planned on its pure function, called as ``nnx.jit`` calls
+    (:class:`~jaxmem._nnx_step.NnxStep`); its static and donated arguments are kept."""
 
     def __init__(self, fun: Any, config: Config, *argnums: Any) -> None:
         super().__init__(fun.jitted_fn, config, *argnums)
         functools.update_wrapper(self, fun, updated=())
         self._nnx = fun
-
-    def _context(self) -> Any:
-        from flax.nnx import graph as nnx_graph
-
-        return nnx_graph.update_context(self._nnx)
-
-    def _on_state(self, method: Callable[..., Any], args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> Any:
-        """``method`` on the state of the arguments, inside ``nnx.jit``'s update context
-        (where its pure function is traced)."""
-        with self._context():
-            pure_args, pure_kwargs = self._nnx._get_pure_args_kwargs(args, kwargs)
-            return method(self, *pure_args, **pure_kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._context():
-            pure_args, pure_kwargs = self._nnx._get_pure_args_kwargs(args, kwargs)
-            out = Optimized.__call__(self, *pure_args, **pure_kwargs)
-            return self._nnx._get_non_pure_out(*out)
-
-    def plan(self, *args: Any, **kwargs: Any) -> plan_lib.Plan:
-        return self._on_state(Optimized.plan, args, kwargs)
-
-    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-        return self._on_state(Optimized.lower, args, kwargs)
-
-    def verified(self, *args: Any, **kwargs: Any) -> Verified:
-        return self._on_state(Optimized.verified, args, kwargs)
-
-    def rounds(self, *args: Any, **kwargs: Any) -> tuple[Round, ...]:
-        return self._on_state(Optimized.rounds, args, kwargs)
-
-    def block_plan(self, *args: Any, **kwargs: Any) -> Any:
-        return self._on_state(Optimized.block_plan, args, kwargs)
 
 
 class _Bound:
