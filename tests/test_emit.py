@@ -174,6 +174,15 @@ CHAINS = {
     # buffer), which hid the broadcast from the multiply and reduction reading it.
     "remat-broadcast": (["matmul", "reshape", "broadcast"], 8, {"remat": {9: (17,)}},
                         "broadcast_in_dim"),
+    # A re-issued * 1.5 -> shuffle -> * 1.5 has one reader: XLA moved the shuffle below
+    # the second product and folded the two into * 2.25, which the plain step, whose
+    # chain has four readers, does not (random case 106 with max reductions).
+    "remat-scaling-chain": (["reduce", "matmul", "reshape", "reshape", "max", "reduce",
+                             "matmul"], 16, {"remat": {15: (29,)}}, "mul"),
+    # The same chain replayed from a prefetched copy of its start (the 2,000-example
+    # property's greedy plan of this program, width 8, seed 0, at half its peak).
+    "offload-scaling-chain": (["residual", "reshape", "reshape", "broadcast", "matmul"], 8,
+                              {"offload": {14: 25}}, "mul"),
 }
 
 
