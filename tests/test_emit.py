@@ -183,8 +183,8 @@ CHAINS = {
     # property's greedy plan of this program, width 8, seed 0, at half its peak).
     "offload-scaling-chain": (["residual", "reshape", "reshape", "broadcast", "matmul"], 8,
                               {"offload": {14: 25}}, "mul"),
-    # The same chain starting at the step's argument: the plain step folds it too, and a
-    # barrier in the copy would not (random case 40 with max reductions).
+    # The same chain read by matmuls only: the plain step folds it too, and a barrier in
+    # the copy would not (random case 40 with max reductions).
     "argument-scaling-chain": (["reshape", "reshape", "matmul", "residual", "elementwise"], 8,
                                {"remat": {10: (22,), 11: (22,), 12: (22,)}}, "mul"),
 }
