@@ -97,12 +97,15 @@ class CacheInfo:
     Attributes:
       entries: abstract signatures planned and verified.
       plans: planner calls.
-      compiles: compiles for the target in the verify loop.
+      compiles: compiles for the target: the verify loop's, and those choosing the
+        decision table of the step's blocks (``jaxmem.remat`` blocks, scan bodies).
       fallbacks: signatures run unplanned (unsupported constructs).
       disk_hits / disk_misses: plans loaded from / not found in the on-disk
         plan cache (``Config(plan_cache=...)``).
       planning_s: wall time spent in planner calls (each bounded by
-        ``Config.time_limit_s``), not counting tracing and compiling.
+        ``Config.time_limit_s``) and in searching the blocks' decision tables (their
+        tracing included), not counting compiling.
+      compile_s: wall time spent in those compiles.
     """
 
     entries: int
@@ -112,6 +115,7 @@ class CacheInfo:
     disk_hits: int = 0
     disk_misses: int = 0
     planning_s: float = 0.0
+    compile_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -387,7 +391,8 @@ class Optimized:
                          fallbacks=int(self._counters["fallbacks"]),
                          disk_hits=sum(d.hits for d in self._disk.values()),
                          disk_misses=sum(d.misses for d in self._disk.values()),
-                         planning_s=float(self._counters["planning_s"]))
+                         planning_s=float(self._counters["planning_s"]),
+                         compile_s=float(self._counters.get("compile_s", 0.0)))
 
     @_nnx_aware
     def block_plan(self, *args: Any, **kwargs: Any) -> Any:
@@ -474,6 +479,10 @@ class Optimized:
         if block_plan is None:
             graph = graph_lib.analyse(program, target.name) if graph is None else graph
             return rebuild, graph, None
+        self._counters["compiles"] += block_plan.compiles
+        self._counters["compile_s"] = self._counters.get("compile_s", 0.0) \
+            + block_plan.compile_time_s
+        self._counters["planning_s"] += block_plan.solve_time_s - block_plan.compile_time_s
         if scan_bodies and config.bitwise == "auto":
             logger.warning(_RELAXED_SCANS, rebuild.__name__)
         # trace again under the blocks' decision table

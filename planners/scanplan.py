@@ -109,7 +109,9 @@ class BlockPlan:
         (recompute plus exposed host copies).
       names: what the search knew about each name.
       tables_scored: how many tables were scored.
-      solve_time_s: seconds spent planning (tracing and compiling included).
+      solve_time_s: seconds spent planning, tracing and compiling included.
+      compiles: tables compiled for the target.
+      compile_time_s: the part of ``solve_time_s`` spent compiling them.
       compiled_peak_bytes, compiled_host_bytes, compiled_est_step_time_s: the
         step compiled for the target under the table (None when not verified).
       notes: anything the planner simplified, in words.
@@ -131,6 +133,8 @@ class BlockPlan:
     compiled_host_bytes: int | None = None
     compiled_est_step_time_s: float | None = None
     notes: tuple[str, ...] = ()
+    compiles: int = 0
+    compile_time_s: float = 0.0
 
     def to_policy(self) -> tuple[_policy.TablePolicy, dict[str, str]]:
         """The ``jax.checkpoint`` policy and MaxText-style mapping
@@ -149,7 +153,9 @@ class BlockPlan:
                  f"{self.host_bytes / mib:.2f} MiB offloaded, "
                  f"+{self.recompute_flops:.3g} FLOPs recomputed, "
                  f"est. +{self.est_extra_time_s:.3g} s; "
-                 f"{self.tables_scored} tables scored in {self.solve_time_s:.1f} s",
+                 f"{self.tables_scored} tables scored; "
+                 f"{self.solve_time_s - self.compile_time_s:.1f} s searching and tracing, "
+                 f"{self.compile_time_s:.1f} s compiling {self.compiles} tables",
                  f"  custom policy: {custom}"]
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
@@ -177,6 +183,8 @@ class _Tracer:
     target: str
     trace_kwargs: dict[str, Any]
     programs: dict[tuple[tuple[str, str], ...], Program] = dataclasses.field(default_factory=dict)
+    compiles: int = 0
+    compile_s: float = 0.0
 
     def program(self, table: Mapping[str, str] | None) -> Program:
         key = (("", "<unplanned>"),) if table is None else _policy.check_decisions(table)
@@ -412,7 +420,7 @@ def plan_blocks(step: Callable[..., Any], *args: Any, budget_bytes: int,
                      compiled_peak_bytes=None if compiled is None else compiled[0],
                      compiled_host_bytes=None if compiled is None else compiled[1],
                      compiled_est_step_time_s=None if compiled is None else compiled[2],
-                     notes=tuple(notes))
+                     notes=tuple(notes), compiles=tr.compiles, compile_time_s=tr.compile_s)
 
 
 def _refine(tr: _Tracer, scores: _Scores, fixed: Sequence[NameInfo], table: dict[str, str],
@@ -453,9 +461,12 @@ def _compiled(tr: _Tracer, table: Mapping[str, str], static_argnums: Sequence[in
     """(device bytes, host bytes, estimated step time) of the step compiled under ``table``."""
     from jaxmem.cost.measure import measure  # measure imports the HLO analysis: load it lazily
 
+    began = time.perf_counter()
     with _policy.use_decisions(table):
         report = measure(tr.step, *tr.args, target=tr.target, static_argnums=static_argnums,
                          donate_argnums=donate_argnums)
+    tr.compiles += 1
+    tr.compile_s += time.perf_counter() - began
     return report.device_bytes, report.host_bytes, report.est_step_time_s
 
 

@@ -223,8 +223,16 @@ def test_a_32_bit_scanned_step_is_planned_through_its_scan_bodies_with_bitwise_f
     optimized = jaxmem.optimize(step, config=jaxmem.Config(budget=budget, target="h100",
                                                            bitwise=False))
     verified = optimized.verified(*args)
-    assert optimized.block_plan(*args) is not None
+    block_plan = optimized.block_plan(*args)
+    assert block_plan is not None
     assert verified.rounds[-1].compiled_bytes <= budget < written
+    # the table's compiles are counted and timed with the verify loop's, apart from planning
+    info = optimized.cache_info()
+    assert block_plan.compiles >= 1 and 0 < block_plan.compile_time_s < block_plan.solve_time_s
+    assert info.compiles >= block_plan.compiles + 1
+    assert info.compile_s >= block_plan.compile_time_s
+    assert info.planning_s >= block_plan.solve_time_s - block_plan.compile_time_s
+    assert f"compiling {block_plan.compiles} tables" in block_plan.summary()
     # planned for the GPU, run here: the same bits as the plain step on the CPU
     assert _equal(optimized(*args), jax.jit(step)(*args))
 
