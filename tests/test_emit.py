@@ -187,6 +187,10 @@ CHAINS = {
     # the copy would not (random case 40 with max reductions).
     "argument-scaling-chain": (["reshape", "reshape", "matmul", "residual", "elementwise"], 8,
                                {"remat": {10: (22,), 11: (22,), 12: (22,)}}, "mul"),
+    # A chain from the step's argument that a matmul and an addition read: folded in the
+    # plain step too (the 2,000-example property's greedy plan at half the peak).
+    "argument-chain-mixed-readers": (["reshape", "reshape", "residual"], 8,
+                                     {"remat": {9: (20,)}}, "mul"),
 }
 
 
