@@ -183,14 +183,17 @@ CHAINS = {
     # property's greedy plan of this program, width 8, seed 0, at half its peak).
     "offload-scaling-chain": (["residual", "reshape", "reshape", "broadcast", "matmul"], 8,
                               {"offload": {14: 25}}, "mul"),
-    # The same chain read by matmuls only: the plain step folds it too, and a barrier in
-    # the copy would not (random case 40 with max reductions).
+    # The same chain read by a matmul: the plain step folds it too, and a barrier in the
+    # copy would not (random case 40 with max reductions; the next three alike).
     "argument-scaling-chain": (["reshape", "reshape", "matmul", "residual", "elementwise"], 8,
                                {"remat": {10: (22,), 11: (22,), 12: (22,)}}, "mul"),
-    # A chain from the step's argument that a matmul and an addition read: folded in the
-    # plain step too (the 2,000-example property's greedy plan at half the peak).
     "argument-chain-mixed-readers": (["reshape", "reshape", "residual"], 8,
                                      {"remat": {9: (20,)}}, "mul"),
+    "residual-chain-mixed-readers": (["residual", "reshape", "reshape", "residual"], 8,
+                                     {"remat": {14: (24,)}}, "mul"),
+    "offload-chain-read-by-matmuls": (["residual", "broadcast", "residual", "reduce",
+                                       "reshape", "reshape", "matmul"], 8,
+                                      {"offload": {27: 30}}, "mul"),
 }
 
 

@@ -388,9 +388,8 @@ class _FusionRules:
         XLA then moves the layout ops below the second scaling and folds the two into one
         (``x * (c1 * c2)``: one rounding where the plain step rounds twice, 0.5 ulps; a
         random program's ``* 1.5`` twice about a shuffle). A barrier between them keeps
-        the two products. A chain that only matmuls read (XLA moves its layout ops into
-        them), or that starts at an argument of the step, the plain step's simplifier folds
-        as well, and it is left alone.
+        the two products. A chain that a matmul reads, the plain step's simplifier folds as
+        well, and it is left alone.
         """
         def scaling(e: plan_lib.Event) -> int | None:
             if self.view.primitives[_event_op(e)] not in ("mul", "div"):
@@ -417,17 +416,10 @@ class _FusionRules:
         first = None if made is None or not (seen_layout and copied(v)) else scaling(made)
         if first is None:
             return False
-        # Where only matmuls read the plain step's chain, or it starts at an argument of
-        # the step, XLA folds it there too.
+        # Where a matmul reads the plain step's chain, XLA folds it there too.
         end = self.view.out_slots[_event_op(ev)][0]
-        readers = {self.view.primitives[op] for op, slots in enumerate(self.view.in_slots)
-                   if end in slots}
-        t = self._tensor(first)
-        while (op := self.view.producer[t]) is not None \
-                and self.view.primitives[op] in LAYOUT_PRIMITIVES \
-                and len(self.view.inputs_of(op)) == 1:
-            t = self.view.inputs_of(op)[0]
-        return readers != {"dot_general"} and self.view.producer[t] is not None
+        return not any(end in slots and self.view.primitives[op] == "dot_general"
+                       for op, slots in enumerate(self.view.in_slots))
 
     def _operand_if_transparent(self, version: int) -> int | None:
         """The one operand of ``version``'s producer if the simplifier looks through it."""
