@@ -174,21 +174,10 @@ CHAINS = {
     # buffer), which hid the broadcast from the multiply and reduction reading it.
     "remat-broadcast": (["matmul", "reshape", "broadcast"], 8, {"remat": {9: (17,)}},
                         "broadcast_in_dim"),
-    # A re-issued * 1.5 -> shuffle -> * 1.5 has one reader: XLA moved the shuffle below
-    # the second product and folded the two into * 2.25, which the plain step, whose
-    # chain has four readers, does not (random case 106 with max reductions).
-    "remat-scaling-chain": (["reduce", "matmul", "reshape", "reshape", "max", "reduce",
-                             "matmul"], 16, {"remat": {15: (29,)}}, "mul"),
-    # The same chain replayed from a prefetched copy of its start (the 2,000-example
-    # property's greedy plan of this program, width 8, seed 0, at half its peak).
-    "offload-scaling-chain": (["residual", "reshape", "reshape", "broadcast", "matmul"], 8,
-                              {"offload": {14: 25}}, "mul"),
-    # The same chain read by a matmul: the plain step folds it too, and a barrier in the
-    # copy would not (random case 40 with max reductions; the next three alike).
-    "argument-scaling-chain": (["reshape", "reshape", "matmul", "residual", "elementwise"], 8,
-                               {"remat": {10: (22,), 11: (22,), 12: (22,)}}, "mul"),
-    "argument-chain-mixed-readers": (["reshape", "reshape", "residual"], 8,
-                                     {"remat": {9: (20,)}}, "mul"),
+    # A * 1.5 -> shuffle -> * 1.5 chain copied for the backward pass (re-issued, or replayed
+    # from a prefetched copy): the plain step folds the two scalings into * 2.25 as the
+    # copy does, and a barrier between them in the copy would change the bits (random
+    # case 26 with max reductions, an example of the 2,000-example property).
     "residual-chain-mixed-readers": (["residual", "reshape", "reshape", "residual"], 8,
                                      {"remat": {14: (24,)}}, "mul"),
     "offload-chain-read-by-matmuls": (["residual", "broadcast", "residual", "reduce",
@@ -223,6 +212,48 @@ def test_reissued_tanh_with_its_residual_add_is_not_bitwise_equal(seed):
     if [g.ops[g.tensors[t].producer].primitive for t in (12, 14)] != ["tanh", "add"]:
         raise RuntimeError("tensor ids moved: t12, t14 should be the tanh and the add")
     plan = plan_lib.unplanned(g).replace(remat={12: (25,), 14: (25,)})
+    assert _leaves_equal(jax.jit(step)(*args), jax.jit(emit.emit(g, plan))(*args))
+
+
+# A * 1.5 -> shuffle -> * 1.5 chain copied for the backward pass (re-issued, or replayed
+# from a prefetched copy of its start) has one reader, and XLA may fold its two constant
+# scalings into one (* 2.25: one rounding where the other program rounds twice) in the copy
+# and not in the plain step, or the other way round. Which, depends on the program and on
+# jaxlib: (differs under 0.10.2, differs under 0.12) for each program below (None: 0.12
+# traces the program to other tensor ids, so the plan does not apply). A barrier
+# between the copy's two scalings fixes the first two under 0.10.2 and breaks the others;
+# no criterion read off the programs (readers, chain start) separated the kinds on more
+# than six programs (docs/exactness.md).
+_JAX_0_12 = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
+DOUBLE_SCALINGS = {
+    "reissued-after-max": (["reduce", "matmul", "reshape", "reshape", "max", "reduce",
+                            "matmul"], 16, {"remat": {15: (29,)}}, (True, False)),  # case 106
+    "replayed-from-residual": (["residual", "reshape", "reshape", "broadcast", "matmul"], 8,
+                               {"offload": {14: 25}}, (True, False)),  # the property, greedy
+    "reissued-from-argument": (["reshape", "reshape", "matmul", "residual", "elementwise"], 8,
+                               {"remat": {10: (22,), 11: (22,), 12: (22,)}},
+                               (False, True)),  # case 40 with max reductions
+    "argument-read-by-add-and-matmul": (["reshape", "reshape", "residual"], 8,
+                                        {"remat": {9: (20,)}}, (False, None)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DOUBLE_SCALINGS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_copied_double_scaling_keeps_its_bits_where_xla_folds_alike(case, seed, request):
+    spec, width, fields, differs = DOUBLE_SCALINGS[case]
+    if differs[_JAX_0_12] is None:
+        pytest.skip("this jaxlib traces the program to other tensor ids")
+    if differs[_JAX_0_12]:
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+            "known inexactness: XLA folds the copied chain's two constant scalings into one "
+            "and the plain step's not, or the other way round (see DOUBLE_SCALINGS)")))
+    step, args = random_program(spec, width, seed)
+    g = analyse(trace(step, *args), "cpu")
+    named = next(iter(fields.get("offload") or fields["remat"]))
+    if g.ops[g.tensors[named].producer].primitive != "mul":
+        raise RuntimeError(f"tensor ids moved: t{named} should be a scaling")
+    plan = plan_lib.unplanned(g).replace(**fields)
     assert _leaves_equal(jax.jit(step)(*args), jax.jit(emit.emit(g, plan))(*args))
 
 

@@ -528,8 +528,6 @@ class _Interpreter(_FusionRules):
                 invals.append(self._atom(op, slot, r, env))
             if (op, slot) in self.hidden:
                 invals[-1] = _call_parameter(invals[-1])
-            elif r is not None and self._refolded_scaling(ev, r):
-                invals[-1] = jax.lax.optimization_barrier(invals[-1])
         # An equation issued again on the very values it read before computes the value
         # it computed then: a fused value the schedule recomputes for a later reader
         # reads the first one, as the plain step's readers do. A copy of the equation

@@ -379,48 +379,6 @@ class _FusionRules:
         """Whether the simplifier does not look through ``version``'s producer."""
         return self._operand_if_transparent(version) is None
 
-    def _refolded_scaling(self, ev: plan_lib.Event, version: int) -> bool:
-        """Whether ``version``, read by the re-issued scaling ``ev`` (a product or quotient
-        with a constant), is another re-issued constant scaling seen through layout ops.
-
-        A re-issued chain ``x * c1 -> transpose -> x * c2`` (or one replayed from a
-        prefetched copy of its start) has one reader where the plain step's has several;
-        XLA then moves the layout ops below the second scaling and folds the two into one
-        (``x * (c1 * c2)``: one rounding where the plain step rounds twice, 0.5 ulps; a
-        random program's ``* 1.5`` twice about a shuffle). A barrier between them keeps
-        the two products. A chain that a matmul reads, the plain step's simplifier folds as
-        well, and it is left alone.
-        """
-        def scaling(e: plan_lib.Event) -> int | None:
-            if self.view.primitives[_event_op(e)] not in ("mul", "div"):
-                return None
-            reads = [r for r in e.reads if r is not None and not self._constant(r)]
-            return reads[0] if len(reads) == 1 and len(reads) < len(e.reads) else None
-
-        def copied(v: int) -> bool:  # re-issued, or replayed from a prefetched copy
-            made = self.made_by.get(v)
-            return v in self._extra_tensor or (made is not None
-                                               and made.kind in ("remat", "fused"))
-
-        if scaling(ev) != version or not copied(version):
-            return False
-        seen_layout, v = False, version
-        made = self.made_by.get(v)
-        while made is not None and copied(v) \
-                and self.view.primitives[_event_op(made)] in LAYOUT_PRIMITIVES:
-            reads = [r for r in made.reads if r is not None and not self._constant(r)]
-            if len(reads) != 1:
-                return False
-            seen_layout, v = True, reads[0]
-            made = self.made_by.get(v)
-        first = None if made is None or not (seen_layout and copied(v)) else scaling(made)
-        if first is None:
-            return False
-        # Where a matmul reads the plain step's chain, XLA folds it there too.
-        end = self.view.out_slots[_event_op(ev)][0]
-        return not any(end in slots and self.view.primitives[op] == "dot_general"
-                       for op, slots in enumerate(self.view.in_slots))
-
     def _operand_if_transparent(self, version: int) -> int | None:
         """The one operand of ``version``'s producer if the simplifier looks through it."""
         ev = self.made_by.get(version)
