@@ -141,15 +141,15 @@ def _render_device(root: str, folder: str) -> str:
               "| ms | elements differing from plain | from every name saved |",
               "|---|---|---|---|---|---|---|"]
     for r in _jsonl(os.path.join(root, folder, "offload_check.jsonl")):
+        # the first record, the plain step run twice, has no table's figures: "-"
+        largest = "" if r.get("max_abs_diff") is None else f"(max {r['max_abs_diff']:.2g}) "
+        from_saved = r.get("differing_from_saved")
         checks.append(
             f"| {r['table']} | {r.get('pinned_host_buffers', '-')} "
             f"| {mib(r.get('host_temp_bytes'))} | {mib(r.get('device_temp_bytes'))} "
             f"| {ms(r.get('step_time_s'))} "
-            f"| {r['differing_elements']:,} of {r['compared_elements']:,} "
-            + ("" if r.get("max_abs_diff") is None else f"(max {r['max_abs_diff']:.2g}) ")
-            + f"| {r['differing_from_saved']:,} |" if "differing_from_saved" in r else
-            f"| {r['table']} | - | - | - | - | {r['differing_elements']:,} of "
-            f"{r['compared_elements']:,} | - |")
+            f"| {r['differing_elements']:,} of {r['compared_elements']:,} {largest}"
+            f"| {'-' if from_saved is None else f'{from_saved:,}'} |")
     return "\n\n".join(["\n".join(rows), "Scan offload on the device (`gpt2` small, "
                           "scanned, train step; the scan bodies as blocks under one decision "
                           "table per kind):", "\n".join(checks)])

@@ -32,10 +32,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,29 +44,21 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 def _measure_point(a: argparse.Namespace) -> dict[str, Any]:
     """One point in this process: compile-only figures, the device run, the comparison."""
     import jax
-    import numpy as np
 
     import jaxmem
     import jaxmem.models as zoo
-    from bench.device import _host_args, _to_host, device_fields, run_on_device
+    from bench.device import device_fields, run_on_device
     from bench.runner import _plan_fields
     from jaxmem import targets
 
     target = targets.get(a.target)
     policy = a.policy or "none"
     built = zoo.build(a.model, a.size, step=a.step, scan=a.scan, policy=policy)
-    plain = zoo.build(a.model, a.size, step=a.step, scan=a.scan, policy="none")
     record: dict[str, Any] = {"model": a.model, "size": a.size, "step": a.step,
                               "variant": "scan" if a.scan else "unrolled",
                               "target": a.target, **device_fields(target),
                               "jax_version": jax.__version__}
-    host = jax.tree_util.tree_map(_to_host, _host_args(built))
-    device = jax.devices()[0]
-
-    def fresh() -> Any:
-        return jax.tree_util.tree_map(lambda x: jax.device_put(x, device, may_alias=False),
-                                      host)
-
+    host, fresh = _placer(built)
     if a.policy is not None:
         step: Any = jax.jit(built.fn, donate_argnums=built.donate_argnums)
         report = jaxmem.measure(built.fn, *built.args, target=target,
@@ -112,11 +105,9 @@ def _measure_point(a: argparse.Namespace) -> dict[str, Any]:
     got = jax.device_get(step(*fresh()))
     del step
     jax.clear_caches()
+    plain = zoo.build(a.model, a.size, step=a.step, scan=a.scan, policy="none")
     want = jax.device_get(jax.jit(plain.fn, donate_argnums=plain.donate_argnums)(*fresh()))
-    diff = _differences(got, want)
-    record.update(compared_elements=int(sum(d.size for d in diff)),
-                  differing_elements=int(sum(np.count_nonzero(d) for d in diff)),
-                  max_abs_diff=float(max((np.abs(d).max() for d in diff if d.size), default=0)))
+    record.update(_distance(got, want))
     return record
 
 
@@ -128,22 +119,16 @@ def offload_check(model: str, size: str, repeats: int = 5) -> list[dict[str, Any
     (``S(5)``) and copies inside its loops, and the median step time. The first record is
     the plain step run twice: the device's own run-to-run spread."""
     import jax
-    import numpy as np
 
     import jaxmem.models as zoo
-    from bench.device import _host_args, _to_host
     from jaxmem.cost.blockcost import forward_names
     from jaxmem.tracing import policy
     from jaxmem.tracing.scanbodies import scan_bodies_as_blocks
     from jaxmem.tracing.trace import trace
 
     built = zoo.build(model, size, step="train", scan=True, policy="none")
-    host = jax.tree_util.tree_map(_to_host, _host_args(built))
     device = jax.devices()[0]
-
-    def fresh() -> Any:
-        return jax.tree_util.tree_map(lambda x: jax.device_put(x, device, may_alias=False),
-                                      host)
+    _, fresh = _placer(built)
 
     step = scan_bodies_as_blocks(built.fn)
     names = sorted(forward_names(trace(step, *fresh())))
@@ -151,13 +136,11 @@ def offload_check(model: str, size: str, repeats: int = 5) -> list[dict[str, Any
     tables = {k: dict.fromkeys(names, k) for k in ("save", "remat", "offload")}
     tables["mixed"] = mixed
     want = jax.device_get(jax.jit(built.fn)(*fresh()))
-    again = _differences(jax.device_get(jax.jit(built.fn)(*fresh())), want)
+    again = jax.device_get(jax.jit(built.fn)(*fresh()))
     records: list[dict[str, Any]] = [{  # the device's own run-to-run spread
         "model": model, "size": size, "table": "plain, run again",
         "device": device.platform, "device_kind": str(device.device_kind),
-        "compared_elements": int(sum(d.size for d in again)),
-        "differing_elements": int(sum(np.count_nonzero(d) for d in again)),
-        "max_abs_diff": float(max(np.abs(d).max() for d in again))}]
+        **_distance(again, want)}]
     print(json.dumps(records[-1]), flush=True)
     saved = None
     for kind, table in tables.items():
@@ -178,7 +161,6 @@ def offload_check(model: str, size: str, repeats: int = 5) -> list[dict[str, Any
             print(json.dumps(records[-1]), flush=True)
             continue
         got = jax.device_get(got)
-        diff = _differences(got, want)
         saved = got if saved is None else saved
         stats = compiled.memory_analysis()
         records.append({
@@ -189,23 +171,41 @@ def offload_check(model: str, size: str, repeats: int = 5) -> list[dict[str, Any
             "dynamic_update_slice_starts": text.count("dynamic-update-slice-start"),
             "device_temp_bytes": getattr(stats, "temp_size_in_bytes", None),
             "host_temp_bytes": getattr(stats, "host_temp_size_in_bytes", None),
-            "step_time_s": sorted(times[1:])[len(times[1:]) // 2],
-            "compared_elements": int(sum(d.size for d in diff)),
-            "differing_elements": int(sum(np.count_nonzero(d) for d in diff)),
-            "max_abs_diff": float(max(np.abs(d).max() for d in diff)),
-            "differing_from_saved": int(sum(np.count_nonzero(d)
-                                            for d in _differences(got, saved)))})
+            "step_time_s": statistics.median(times[1:]), **_distance(got, want),
+            "differing_from_saved": _distance(got, saved)["differing_elements"]})
         print(json.dumps(records[-1]), flush=True)
     return records
 
 
-def _differences(got: Any, want: Any) -> list[Any]:
-    """Element-wise differences of two output trees, in float64."""
+def _placer(built: Any) -> tuple[Any, Callable[[], Any]]:
+    """A zoo step's arguments kept on the host (``bench.device``'s way), and a function
+    that puts a fresh copy of them on the local device for each call (a train step
+    donates its state)."""
+    import jax
+
+    from bench.device import _host_args, _to_host
+
+    host = jax.tree_util.tree_map(_to_host, _host_args(built))
+    device = jax.devices()[0]
+
+    def fresh() -> Any:
+        return jax.tree_util.tree_map(lambda x: jax.device_put(x, device, may_alias=False),
+                                      host)
+
+    return host, fresh
+
+
+def _distance(got: Any, want: Any) -> dict[str, Any]:
+    """How far two output trees are apart: elements compared, elements that differ, and
+    the largest absolute difference."""
     import jax
     import numpy as np
 
-    return [np.asarray(x, np.float64) - np.asarray(y, np.float64) for x, y in zip(
+    diff = [np.asarray(x, np.float64) - np.asarray(y, np.float64) for x, y in zip(
         jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True)]
+    return {"compared_elements": int(sum(d.size for d in diff)),
+            "differing_elements": int(sum(np.count_nonzero(d) for d in diff)),
+            "max_abs_diff": float(max((np.abs(d).max() for d in diff if d.size), default=0))}
 
 
 def _child(a: argparse.Namespace, extra: list[str], out: str) -> dict[str, Any]:
