@@ -258,7 +258,7 @@ class Optimized:
         self._plans: dict[Any, plan_lib.Plan] = {}
         self._costs: dict[Any, tuple[Any, tuple[str, ...]]] = {}
         self._counters: dict[str, float] = {"plans": 0, "compiles": 0, "fallbacks": 0,
-                                            "planning_s": 0.0}
+                                            "planning_s": 0.0, "compile_s": 0.0}
         self._disk: dict[Any, cache_lib.PlanCache] = {}
 
     def __repr__(self) -> str:
@@ -392,7 +392,7 @@ class Optimized:
                          disk_hits=sum(d.hits for d in self._disk.values()),
                          disk_misses=sum(d.misses for d in self._disk.values()),
                          planning_s=float(self._counters["planning_s"]),
-                         compile_s=float(self._counters.get("compile_s", 0.0)))
+                         compile_s=float(self._counters["compile_s"]))
 
     @_nnx_aware
     def block_plan(self, *args: Any, **kwargs: Any) -> Any:
@@ -480,8 +480,7 @@ class Optimized:
             graph = graph_lib.analyse(program, target.name) if graph is None else graph
             return rebuild, graph, None
         self._counters["compiles"] += block_plan.compiles
-        self._counters["compile_s"] = self._counters.get("compile_s", 0.0) \
-            + block_plan.compile_time_s
+        self._counters["compile_s"] += block_plan.compile_time_s
         self._counters["planning_s"] += block_plan.solve_time_s - block_plan.compile_time_s
         if scan_bodies and config.bitwise == "auto":
             logger.warning(_RELAXED_SCANS, rebuild.__name__)
