@@ -147,8 +147,11 @@ class Config:
         what the calls before it left, and a round that would start with (almost)
         nothing left does not (:mod:`jaxmem.verify.timing`). Under
         ``bitwise="auto"`` a 16-bit step's bit-exact and relaxed attempts share
-        it too. Tracing and compiling are not counted; the plan's notes give the
-        planning and the compiling seconds.
+        it too, and so does the search for the decision table of the step's blocks
+        or scan bodies (:func:`jaxmem.planners.scanplan.plan_blocks`, the compiles
+        that compare its candidates included). Tracing and the compiles that check a
+        plan are not counted; the plan's notes give the planning and the compiling
+        seconds.
       seed: for planners with randomness.
       on_over_budget: ``"raise"`` an ``InfeasibleBudgetError`` when no plan
         compiles within budget, or ``"warn"`` and run the best plan found.

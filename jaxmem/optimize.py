@@ -75,6 +75,7 @@ from jaxmem.verify.loop import (
     recheck_cached,
     verify,
 )
+from jaxmem.verify.timing import PlanningTime
 
 logger = logging.getLogger(__name__)
 
@@ -451,9 +452,10 @@ class Optimized:
         return graph_lib.analyse(program, target.name)
 
     def _traced(self, dyn: tuple[Any, ...], rebuild: Any, config: Config,
-                target: targets_lib.Target) -> tuple[Any, Any, Any]:
+                target: targets_lib.Target, planning: PlanningTime) -> tuple[Any, Any, Any]:
         """The step to plan (under its blocks' decision table, if it has blocks), its graph,
-        and the blocks' :class:`jaxmem.planners.scanplan.BlockPlan` (or ``None``).
+        and the blocks' :class:`jaxmem.planners.scanplan.BlockPlan` (or ``None``). The
+        table's search draws on the step's ``planning`` time (``Config.time_limit_s``).
 
         Blocks are the step's ``jaxmem.remat`` calls; a step without them whose scans
         stack residuals and that does not fit the budget as written is traced again
@@ -475,10 +477,13 @@ class Optimized:
         planned, block_plan = scanplan.with_block_plan(
             planned, dyn, budget_bytes=config.budget_bytes(target), target=target.name,
             donate_argnums=rebuild.donated, allow_remat=config.allow_remat,
-            allow_offload=config.allow_offload, holds_blocks=True, scan_bodies=scan_bodies)
+            allow_offload=config.allow_offload, holds_blocks=True, scan_bodies=scan_bodies,
+            time_limit_s=planning.left_s())
         if block_plan is None:
             graph = graph_lib.analyse(program, target.name) if graph is None else graph
             return rebuild, graph, None
+        planning.charge(block_plan.search_time_s, "choosing the decision table of "
+                        + ("the scan bodies" if scan_bodies else "the jaxmem.remat blocks"))
         self._counters["compiles"] += block_plan.compiles
         self._counters["compile_s"] += block_plan.compile_time_s
         self._counters["planning_s"] += block_plan.solve_time_s - block_plan.compile_time_s
@@ -546,8 +551,9 @@ class Optimized:
                         rebuild.__name__)
             jitted = jax.jit(rebuild, donate_argnums=donated)
             return _Entry(target=target, plan=None, run=jitted, jitted=jitted, fallback="level 0")
+        planning = PlanningTime(config.time_limit_s, clock=time.perf_counter)
         try:
-            rebuild, graph, block_plan = self._traced(dyn, rebuild, config, target)
+            rebuild, graph, block_plan = self._traced(dyn, rebuild, config, target, planning)
         except UnsupportedConstructError as err:
             self._counters["fallbacks"] += 1
             logger.warning("jaxmem.optimize(%s): %s -- running the step unplanned (plain "
@@ -574,6 +580,7 @@ class Optimized:
             # Profiled op times come from the arguments as passed: where they live.
             plan, jitted, compiled, rounds = verify(
                 graph, config, target, abstract, donated, self._counters, plain_first=fits,
+                planning=planning,
                 # the graph .plan() priced, unless the blocks' decision table changed it
                 costs=lambda: self._planning_costs((entry_key, block_plan is None), graph,
                                                    target, config, dyn), arg_labels=labels)

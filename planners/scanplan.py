@@ -30,6 +30,12 @@ the *compiled* HLO (:func:`jaxmem.measure`, which also prices memory traffic)
 is kept. The plan carries the compiled figures and the simulator's prediction
 beside the estimate.
 
+With ``time_limit_s`` the search keeps to a limit: tracing, scoring and the front's
+compiles count, the compiles that check the chosen table come on top. Names outside
+scans are searched exactly only as far as half of the limit allows tracing each set
+of kept names, and a front table is compiled only while the limit leaves time for a
+compile as long as the last.
+
 >>> import jax, jax.numpy as jnp
 >>> from jaxmem.tracing.blocks import remat
 >>> def loss(ws, x):
@@ -47,6 +53,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -112,6 +119,8 @@ class BlockPlan:
       solve_time_s: seconds spent planning, tracing and compiling included.
       compiles: tables compiled for the target.
       compile_time_s: the part of ``solve_time_s`` spent compiling them.
+      search_time_s: the part of ``solve_time_s`` the search's ``time_limit_s`` counts:
+        all of it but the compiles that check the chosen table.
       compiled_peak_bytes, compiled_host_bytes, compiled_est_step_time_s: the
         step compiled for the target under the table (None when not verified).
       notes: anything the planner simplified, in words.
@@ -135,6 +144,7 @@ class BlockPlan:
     notes: tuple[str, ...] = ()
     compiles: int = 0
     compile_time_s: float = 0.0
+    search_time_s: float = 0.0
 
     def to_policy(self) -> tuple[_policy.TablePolicy, dict[str, str]]:
         """The ``jax.checkpoint`` policy and MaxText-style mapping
@@ -175,13 +185,30 @@ def _phase_time_s(graph: MemGraph, model: CostModel, phase: str) -> float:
 
 
 @dataclasses.dataclass
+class _SearchTime:
+    """The search's seconds against its limit (``None``: no limit). Everything counts but
+    the compiles that check the chosen table (``checking_s``)."""
+
+    limit_s: float | None
+    began: float
+    checking_s: float = 0.0
+
+    def spent_s(self) -> float:
+        return time.perf_counter() - self.began - self.checking_s
+
+    def left_s(self) -> float:
+        return math.inf if self.limit_s is None else self.limit_s - self.spent_s()
+
+
+@dataclasses.dataclass
 class _Tracer:
-    """Traces the step under a table, memoized."""
+    """Traces the step under a table, memoized; keeps the search's time."""
 
     step: Callable[..., Any]
     args: tuple[Any, ...]
     target: str
     trace_kwargs: dict[str, Any]
+    clock: _SearchTime
     programs: dict[tuple[tuple[str, str], ...], Program] = dataclasses.field(default_factory=dict)
     compiles: int = 0
     compile_s: float = 0.0
@@ -198,17 +225,15 @@ class _Tracer:
 
 
 def _kept_flops(tr: _Tracer, searched: Sequence[str], every: Sequence[str],
-                notes: list[str]) -> dict[frozenset[str], float]:
+                bodies: Sequence[Any] | None, notes: list[str]) -> dict[frozenset[str], float]:
     """Extra FLOPs over keeping every name, per set of kept names among ``searched``.
 
-    Names inside scan bodies use the recompute model (one trace); otherwise each
-    set is traced (2**n traces).
+    Names inside scan ``bodies`` use the recompute model (one trace); otherwise
+    (``bodies`` None) each set is traced (2**n traces).
     """
     subsets = [frozenset(k) for r in range(len(searched) + 1)
                for k in itertools.combinations(searched, r)]
-    bodies = scan_bodies(tr.graph(None))
-    in_scans = set().union(*(b.name_vars for b in bodies)) if bodies else set()
-    if set(every) <= in_scans:
+    if bodies is not None:
         def model(kept: frozenset[str]) -> float:
             return sum(b.recompute_flops(kept) for b in bodies)
         base = model(frozenset(every))
@@ -295,19 +320,33 @@ def _scores(tr: _Tracer, found: Mapping[str, tuple[int, int, str]], max_exact_na
     none_graph = tr.graph({})
     base_res = _scan.residual_bytes(none_graph)
     infos = []
+    began = time.perf_counter()
     for name, (size, count, where) in sorted(found.items()):
         added = _scan.residual_bytes(tr.graph({name: "save"})) - base_res
         infos.append(NameInfo(name=name, bytes_per_block=size, count=count,
                               saved_bytes=max(added, 0), source=where))
+    bodies = scan_bodies(tr.graph(None))
+    in_scans = set().union(*(b.name_vars for b in bodies)) if bodies else set()
+    exact = max_exact_names
+    if not set(found) <= in_scans:
+        # Each set of kept names is traced: no more sets than half of the limit allows.
+        per_trace = (time.perf_counter() - began) / max(len(found), 1)
+        allowed = tr.clock.left_s() / 2
+        while exact and 2 ** min(exact, len(found)) * per_trace > allowed:
+            exact -= 1
+        if exact < min(max_exact_names, len(found)):
+            notes.append(f"names searched exactly: {exact} (tracing a set of kept names takes "
+                         f"{per_trace:.2g} s; the limit leaves {allowed:.3g} s for them)")
     ranked = sorted(infos, key=lambda i: -i.saved_bytes)
-    searched, fixed = ranked[:max_exact_names], ranked[max_exact_names:]
+    searched, fixed = ranked[:exact], ranked[exact:]
     if fixed:
         notes.append(f"{len(fixed)} smaller names recomputed without search: "
                      f"{', '.join(i.name for i in fixed)}")
     model = CostModel.for_target(tr.target)
     scores = _Scores(
         base_peak=simulate(none_graph).peak_bytes, searched=searched,
-        kept_flops=_kept_flops(tr, [i.name for i in searched], [i.name for i in infos], notes),
+        kept_flops=_kept_flops(tr, [i.name for i in searched], [i.name for i in infos],
+                               bodies if set(found) <= in_scans else None, notes),
         model=model, forward_s=_phase_time_s(none_graph, model, "forward"),
         backward_s=_phase_time_s(none_graph, model, "backward"))
     return scores, infos, fixed
@@ -318,7 +357,7 @@ def plan_blocks(step: Callable[..., Any], *args: Any, budget_bytes: int,
                 donate_argnums: Sequence[int] | int = (), arg_roles: Sequence[Any] | None = None,
                 max_exact_names: int = 10, allow_offload: bool = True,
                 allow_remat: bool = True, verify: bool = True, max_rounds: int = 4,
-                refine: int = 8) -> BlockPlan:
+                refine: int = 8, time_limit_s: float | None = None) -> BlockPlan:
     """Choose save / offload / remat per residual name of the step's planned blocks.
 
     Args:
@@ -347,6 +386,11 @@ def plan_blocks(step: Callable[..., Any], *args: Any, budget_bytes: int,
         The search's own time model is coarse (recomputed FLOPs at the matmul
         peak, saved residuals' HBM traffic, exposed host copies); the compiled
         estimate prices every instruction.
+      time_limit_s: seconds the search may take (``None``: no limit): tracing, scoring
+        and the front's compiles count, the compiles that check the chosen table do
+        not. Names outside scans are searched exactly only as far as half of it allows
+        tracing every set of kept names; a front table is compiled only while what is
+        left allows a compile as long as the last one. The notes say what it cut.
 
     Returns:
       The :class:`BlockPlan`.
@@ -361,7 +405,8 @@ def plan_blocks(step: Callable[..., Any], *args: Any, budget_bytes: int,
     start = time.perf_counter()
     tr = _Tracer(step, args, str(target), dict(static_argnums=static_argnums,
                                                donate_argnums=donate_argnums,
-                                               arg_roles=arg_roles))
+                                               arg_roles=arg_roles),
+                 _SearchTime(None if time_limit_s is None else float(time_limit_s), start))
     found = forward_names(tr.program(None))
     if not found:
         raise NoNamesError(_NO_NAMES)
@@ -377,7 +422,7 @@ def plan_blocks(step: Callable[..., Any], *args: Any, budget_bytes: int,
         table = {**table, **{i.name: "remat" for i in fixed}}
         if not verify:
             break
-        compiled = _compiled(tr, table, static_argnums, donate_argnums)
+        compiled = _compiled(tr, table, static_argnums, donate_argnums, check=True)
         if compiled[0] <= budget_bytes or status != "ok":
             break
         # Assume the estimate errs by as much again, and never accept this table twice.
@@ -391,7 +436,7 @@ def plan_blocks(step: Callable[..., Any], *args: Any, budget_bytes: int,
         # giving up.
         frugal = dict.fromkeys(table, "remat")
         if frugal != table:
-            tried = _compiled(tr, frugal, static_argnums, donate_argnums)
+            tried = _compiled(tr, frugal, static_argnums, donate_argnums, check=True)
             notes.append(f"no estimated fit; the all-recompute table compiled to {tried[0]} B")
             if compiled is None or tried[0] < compiled[0]:
                 table, compiled = frugal, tried
@@ -420,7 +465,8 @@ def plan_blocks(step: Callable[..., Any], *args: Any, budget_bytes: int,
                      compiled_peak_bytes=None if compiled is None else compiled[0],
                      compiled_host_bytes=None if compiled is None else compiled[1],
                      compiled_est_step_time_s=None if compiled is None else compiled[2],
-                     notes=tuple(notes), compiles=tr.compiles, compile_time_s=tr.compile_s)
+                     notes=tuple(notes), compiles=tr.compiles, compile_time_s=tr.compile_s,
+                     search_time_s=tr.clock.spent_s())
 
 
 def _refine(tr: _Tracer, scores: _Scores, fixed: Sequence[NameInfo], table: dict[str, str],
@@ -442,11 +488,17 @@ def _refine(tr: _Tracer, scores: _Scores, fixed: Sequence[NameInfo], table: dict
     if "remat" in choices and frugal != table and all(
             {**p[0], **{i.name: "remat" for i in fixed}} != frugal for p in others):
         others.append((frugal, None, None, None))
-    tried = 0
+    tried, last_s = 0, tr.compile_s / max(tr.compiles, 1)
     for alt, alt_device, alt_host, _ in others:
+        if tr.clock.left_s() < last_s:
+            notes.append(f"time_limit_s={tr.clock.limit_s:g}: {len(others) - tried} of "
+                         f"{len(others)} front tables not compiled (a compile takes "
+                         f"{last_s:.1f} s)")
+            break
         alt = {**alt, **{i.name: "remat" for i in fixed}}
+        began = tr.compile_s
         result = _compiled(tr, alt, static_argnums, donate_argnums)
-        tried += 1
+        tried, last_s = tried + 1, tr.compile_s - began
         if result[0] <= budget_bytes and (result[2], result[1]) < (compiled[2], compiled[1]):
             table, compiled = alt, result
             device = result[0] if alt_device is None else alt_device
@@ -457,16 +509,21 @@ def _refine(tr: _Tracer, scores: _Scores, fixed: Sequence[NameInfo], table: dict
 
 
 def _compiled(tr: _Tracer, table: Mapping[str, str], static_argnums: Sequence[int] | int,
-              donate_argnums: Sequence[int] | int) -> tuple[int, int, float]:
-    """(device bytes, host bytes, estimated step time) of the step compiled under ``table``."""
+              donate_argnums: Sequence[int] | int, check: bool = False
+              ) -> tuple[int, int, float]:
+    """(device bytes, host bytes, estimated step time) of the step compiled under ``table``;
+    a ``check`` of the chosen table is not counted against the search's limit."""
     from jaxmem.cost.measure import measure  # measure imports the HLO analysis: load it lazily
 
     began = time.perf_counter()
     with _policy.use_decisions(table):
         report = measure(tr.step, *tr.args, target=tr.target, static_argnums=static_argnums,
                          donate_argnums=donate_argnums)
+    took = time.perf_counter() - began
     tr.compiles += 1
-    tr.compile_s += time.perf_counter() - began
+    tr.compile_s += took
+    if check:
+        tr.clock.checking_s += took
     return report.device_bytes, report.host_bytes, report.est_step_time_s
 
 
@@ -520,7 +577,8 @@ def under_decisions(fn: Callable[..., Any], decisions: Mapping[str, str]) -> Cal
 def with_block_plan(fn: Callable[..., Any], args: Sequence[Any], *, budget_bytes: int,
                     target: str, donate_argnums: Sequence[int] = (), allow_remat: bool = True,
                     allow_offload: bool = True, holds_blocks: bool | None = None,
-                    scan_bodies: bool = False) -> tuple[Callable[..., Any], BlockPlan | None]:
+                    scan_bodies: bool = False, time_limit_s: float | None = None
+                    ) -> tuple[Callable[..., Any], BlockPlan | None]:
     """Plan the step's jaxmem blocks, if it has any, and return the step under that plan.
 
     ``@jaxmem.optimize`` calls this when its trace of the step found such blocks
@@ -533,6 +591,7 @@ def with_block_plan(fn: Callable[..., Any], args: Sequence[Any], *, budget_bytes
     allowed (the blocks then save every residual). ``scan_bodies``: the blocks are the
     step's scan bodies, made blocks by jaxmem (:mod:`jaxmem.tracing.scanbodies`), not the
     user's; the log lines say so, and bodies with nothing to plan are no warning.
+    ``time_limit_s``: the search's limit (:func:`plan_blocks`).
     """
     from jaxmem.tracing.blocks import uses_planned_blocks  # blocks imports policy only; no cycle
 
@@ -545,7 +604,7 @@ def with_block_plan(fn: Callable[..., Any], args: Sequence[Any], *, budget_bytes
     try:
         plan = plan_blocks(fn, *args, budget_bytes=budget_bytes, target=target,
                            donate_argnums=tuple(donate_argnums), allow_remat=allow_remat,
-                           allow_offload=allow_offload)
+                           allow_offload=allow_offload, time_limit_s=time_limit_s)
     except NoNamesError as err:
         if scan_bodies:
             logger.info("the scan bodies have nothing to plan (%s); the scans stay as written",

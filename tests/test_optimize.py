@@ -395,8 +395,8 @@ def test_re_plans_get_what_the_rounds_before_them_left(monkeypatch):
 
     verify_lib = sys.modules["jaxmem.verify.loop"]
     clock = [0.0]
-    monkeypatch.setattr(verify_lib, "time", types.SimpleNamespace(
-        perf_counter=lambda: clock[0]))
+    for module in (verify_lib, sys.modules["jaxmem.optimize"]):  # the step's clock, its rounds'
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     limits = []
 
     def overruns(g, budget, cost_model, options):

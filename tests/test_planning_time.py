@@ -6,12 +6,14 @@ depends on the machine's speed."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 from steps import mlp_args, mlp_loss
 
 import jaxmem
@@ -20,6 +22,7 @@ from jaxmem.plans import plan as plan_lib
 from jaxmem.verify.timing import Attempt, PlanningTime
 
 verify_lib = sys.modules["jaxmem.verify.loop"]
+optimize_lib = sys.modules["jaxmem.optimize"]
 
 
 class FakeClock:
@@ -97,7 +100,7 @@ def test_the_bit_exact_and_the_relaxed_attempts_share_one_limit(monkeypatch):
     limit and the relaxed attempt within what is left: one 8 s limit, not one each. The
     planner overruns each call by a second; no bit-exact plan fits, the relaxed one does."""
     clock = FakeClock()
-    clock.install(monkeypatch, verify_lib)
+    clock.install(monkeypatch, verify_lib, optimize_lib)
     calls = []
 
     def planner(g, budget, cost_model, options):
@@ -140,7 +143,7 @@ def test_cpsat_plans_a_step_within_a_short_limit(monkeypatch):
     import jaxmem.planners.cpsat as cpsat_module
 
     clock = FakeClock(tick=1e-4)
-    clock.install(monkeypatch, verify_lib, cpsat_module, model_module, hint_module)
+    clock.install(monkeypatch, verify_lib, optimize_lib, cpsat_module, model_module, hint_module)
     heuristics, solve = cpsat_module._heuristics, model_module.solve
     walls = []
 
@@ -195,3 +198,116 @@ def test_cpsat_does_not_solve_when_the_heuristics_spent_the_limit(monkeypatch):
     assert any(n.startswith("CP-SAT did not run: the time limit was spent") for n in plan.notes)
     assert not any(n.startswith("CP-SAT, order") for n in plan.notes)
     assert plan.source != "cpsat" and plan.predicted_peak_bytes <= peak * 8 // 10
+
+
+### The decision table of a step's blocks (planners/scanplan.py) draws on the same limit
+
+
+def _layer(x, w):
+    w1, w2 = w
+    x = checkpoint_name(x, "decoder_layer_input")
+    return x + checkpoint_name(jax.nn.gelu(x @ w1) @ w2, "mlpwo"), None
+
+
+def _blocks_args():
+    k = jax.random.split(jax.random.key(0), 3)
+    ws = (jax.random.normal(k[0], (3, 8, 32)), jax.random.normal(k[1], (3, 32, 8)) * 0.1)
+    return ws, jax.random.normal(k[2], (4, 8))
+
+
+def _scanned_blocks_step():
+    layer = jaxmem.remat(_layer, prevent_cse=False)
+    return jax.grad(lambda ws, x: jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2))
+
+
+def test_the_block_tables_front_is_compiled_only_while_the_limit_lasts(monkeypatch):
+    """Each compile takes 10 fake seconds; the one checking the chosen table is not counted,
+    the front's are, and none starts that the limit cannot see end."""
+    from jaxmem.cost import measure as measure_module
+    from jaxmem.planners import scanplan
+
+    clock = FakeClock(tick=1e-4)
+    clock.install(monkeypatch, scanplan)
+    real = measure_module.measure
+
+    def slow(*args, **kwargs):
+        clock.now += 10.0
+        return real(*args, **kwargs)
+
+    def every_table(scores, budget_bytes, choices):  # a front as long as a large step's
+        return [({i.name: c for i, c in zip(scores.searched, combo)}, None, None, 0.0)
+                for combo in itertools.product(choices, repeat=len(scores.searched))]
+
+    monkeypatch.setattr(measure_module, "measure", slow)
+    monkeypatch.setattr(scanplan._Scores, "front", every_table)
+    step, args = _scanned_blocks_step(), _blocks_args()
+    free = scanplan.plan_blocks(step, *args, budget_bytes=1 << 30, target="h100", refine=4)
+    assert free.compiles == 5  # the check and four front tables
+    limited = scanplan.plan_blocks(step, *args, budget_bytes=1 << 30, target="h100",
+                                   refine=4, time_limit_s=25.0)
+    assert limited.compiles == 3  # the check (on top), then two front tables of 10 s each
+    assert 20.0 <= limited.search_time_s <= 25.0
+    assert limited.solve_time_s == pytest.approx(limited.search_time_s + 10.0, abs=0.1)
+    assert any("front tables not compiled (a compile takes 10.0 s)" in n for n in limited.notes)
+    assert limited.status == "ok"
+
+
+def test_names_outside_scans_are_searched_exactly_as_far_as_the_limit_allows(monkeypatch):
+    """Unrolled blocks: each set of kept names is traced. A trace takes 1 fake second; with
+    10 s the search may trace for half of what is left, so one name of three is searched
+    (2 traces) and the others are recomputed."""
+    from jaxmem.planners import scanplan
+
+    clock = FakeClock(tick=1e-4)
+    clock.install(monkeypatch, scanplan)
+    real = scanplan.trace
+
+    def slow(*args, **kwargs):
+        clock.now += 1.0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scanplan, "trace", slow)
+    layer = jaxmem.remat(_layer)
+
+    def loss(ws, x):
+        for i in range(3):
+            x, _ = layer(x, (ws[0][i], ws[1][i]))
+        return jnp.sum(x**2)
+
+    step, args = jax.grad(loss), _blocks_args()
+    free = scanplan.plan_blocks(step, *args, budget_bytes=1 << 30, target="h100", verify=False)
+    assert free.tables_scored == 3 ** 3
+    limited = scanplan.plan_blocks(step, *args, budget_bytes=1 << 30, target="h100",
+                                   verify=False, time_limit_s=10.0)
+    assert limited.tables_scored == 3
+    assert any(n.startswith("names searched exactly: 1 (tracing") for n in limited.notes)
+    assert any(n.startswith("2 smaller names recomputed without search") for n in limited.notes)
+    assert limited.search_time_s <= 10.0
+
+
+def test_the_block_tables_search_is_charged_to_the_steps_limit():
+    planning = PlanningTime(10.0, FakeClock())
+    config = jaxmem.Config(time_limit_s=10.0, verify_rounds=1)
+    planning.charge(8.0, "choosing the decision table of the scan bodies")
+    assert planning.round_limit_s(config, 0, Attempt(10.0)) == pytest.approx(2.0)
+    assert planning.notes()[-1].startswith(
+        "planning 8.0 s of time_limit_s=10 (0.0 s in 0 planner calls, 8.0 s choosing the "
+        "decision table of the scan bodies);")
+
+
+def test_a_steps_plan_notes_count_its_block_tables_search_in_the_limit():
+    ws, x = _blocks_args()
+    step = _scanned_blocks_step()
+    from jaxmem.cost.measure import measure
+    from jaxmem.tracing import policy
+
+    with policy.use_decisions({}):
+        floor = measure(step, ws, x, target="cpu").device_bytes
+    top = measure(step, ws, x, target="cpu").device_bytes
+    optimized = jaxmem.optimize(step, config=jaxmem.Config(budget=(floor + top) // 2,
+                                                           target="cpu", time_limit_s=30))
+    optimized(ws, x)
+    block_plan = optimized.block_plan(ws, x)
+    assert block_plan is not None and 0 < block_plan.search_time_s <= 30
+    [spent] = [n for n in optimized.plan(ws, x).notes if n.startswith("planning ")]
+    assert " s choosing the decision table of the jaxmem.remat blocks);" in spent

@@ -4,8 +4,10 @@ Every verify round and every attempt on a step (the bit-exact attempt, then, und
 ``bitwise="auto"``, the relaxed one) draws on the same limit: a planner call gets what
 is left, never more than its round's share, and a round that would start with (almost)
 nothing left does not start; the plan's notes then say that the limit was reached.
-The planner calls' wall time is what counts; tracing, the planners' cost model and the
-compiles come on top, and the compiles are counted apart (:attr:`PlanningTime.compile_s`)
+The planner calls' wall time is what counts, and the search for a decision table of the
+step's blocks (:func:`jaxmem.planners.scanplan.plan_blocks`, charged with
+:meth:`PlanningTime.charge`); tracing, the planners' cost model and the compiles that
+check a plan come on top, and the compiles are counted apart (:attr:`PlanningTime.compile_s`)
 so that the plan's notes report both.
 
 Shares are fixed in advance (half of an attempt's seconds for its first round, the rest
@@ -65,6 +67,8 @@ class PlanningTime:
         self.compile_s = 0.0  # wall time of the compiles, not counted in the limit
         self.compiles = 0
         self.reached: list[str] = []  # why planning ended short of its rounds
+        self.charged: list[str] = []  # planning done outside planner calls, for the notes
+        self.charged_s = 0.0
 
     def left_s(self, reserve_s: float = 0.0) -> float:
         """What a planner call may still take, ``reserve_s`` kept back: the limit less the
@@ -101,6 +105,12 @@ class PlanningTime:
         self.calls += 1
         return out
 
+    def charge(self, seconds: float, what: str) -> None:
+        """Count ``seconds`` of planning done outside a planner call (``what`` it was)."""
+        self.planned_s += seconds
+        self.charged_s += seconds
+        self.charged.append(f"{seconds:.1f} s {what}")
+
     def compile(self, call: Callable[[], T]) -> T:
         """``call()``, a compile, timed apart from the limit."""
         began = self.clock()
@@ -113,8 +123,12 @@ class PlanningTime:
         """What the plan's notes say of the time: planning against the limit, compiling
         on top, and why planning ended short when it did."""
         over = self.planned_s - self.limit_s
-        spent = (f"planning {self.planned_s:.1f} s of time_limit_s={self.limit_s:g} in "
-                 f"{self.calls} planner calls"
+        calls = f"{self.calls} planner calls"
+        if self.charged:
+            calls = (f"{self.planned_s - self.charged_s:.1f} s in {calls}, "
+                     + ", ".join(self.charged))
+        spent = (f"planning {self.planned_s:.1f} s of time_limit_s={self.limit_s:g} "
+                 + (f"({calls})" if self.charged else f"in {calls}")
                  + (f", {over:.1f} s over it (a planner call overran what it was given)"
                     if over > 0 else "")
                  + f"; compiling {self.compile_s:.1f} s in {self.compiles} compiles, on top "
