@@ -1,6 +1,6 @@
 """Scanned blocks planned by jaxmem:
 ``python -m bench.experiments.blocks MODEL SIZE FRACTIONS [OUT.jsonl] [--policy P]
-[--not-bitwise]``.
+[--not-bitwise] [--time-limit S]``.
 
 Builds the zoo's scan variant of ``MODEL`` with every block under
 ``jaxmem.planned_policy()`` (the zoo policy ``"jaxmem"``; ``--policy none`` or a stock
@@ -10,7 +10,8 @@ unplanned scan step (policy ``"none"``) on the H100 target, and for each
 fraction of that compiled peak runs ``@jaxmem.optimize``: the blocks'
 decision table is chosen first (:mod:`jaxmem.planners.scanplan`), then the default
 planner plans the rest of the step. One JSON line per budget: status,
-compiled device and host bytes, roofline step time, the block decisions.
+compiled device and host bytes, roofline step time, the block decisions, the planning
+and compiling seconds (``CacheInfo``).
 Compare with the stock policies of the same variant:
 ``python -m bench --models MODEL --size SIZE --scan --planners <peers>``.
 
@@ -31,7 +32,7 @@ _MiB = 1 << 20
 
 
 def run(model: str, size: str, fractions: list[float], policy: str = "jaxmem",
-        bitwise: bool | str = "auto") -> list[dict]:
+        bitwise: bool | str = "auto", time_limit_s: float = 60.0) -> list[dict]:
     """One record per fraction of the unplanned scan step's compiled device bytes."""
     import jaxmem
     import jaxmem.models as zoo
@@ -45,7 +46,8 @@ def run(model: str, size: str, fractions: list[float], policy: str = "jaxmem",
     for fraction in fractions:
         z = zoo.build(model, size, step="train", policy=policy, scan=True)
         budget = int(fraction * none_bytes)
-        config = jaxmem.Config(budget=budget, target="h100", bitwise=bitwise)
+        config = jaxmem.Config(budget=budget, target="h100", bitwise=bitwise,
+                               time_limit_s=time_limit_s)
         step = jaxmem.optimize(z.fn, config=config, donate_argnums=z.donate_argnums)
         args = target.place(z.args)
         rec: dict = {"model": model, "size": size, "variant": "scan", "policy": policy,
@@ -63,7 +65,9 @@ def run(model: str, size: str, fractions: list[float], policy: str = "jaxmem",
                        step_offload=len(verified.plan.offload))
         except jaxmem.InfeasibleBudgetError as err:
             rec.update(status="infeasible", min_feasible_bytes=err.min_feasible_bytes)
-        rec["wall_s"] = time.perf_counter() - started
+        info = step.cache_info()
+        rec.update(wall_s=time.perf_counter() - started, time_limit_s=time_limit_s,
+                   planning_s=info.planning_s, compile_s=info.compile_s, compiles=info.compiles)
         records.append(rec)
         print(json.dumps(rec), flush=True)
     return records
@@ -79,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="jaxmem",
                         help="the zoo policy inside the scan (default: jaxmem)")
     parser.add_argument("--not-bitwise", action="store_true", help="Config(bitwise=False)")
+    parser.add_argument("--time-limit", type=float, default=60.0,
+                        help="Config(time_limit_s=...) (default 60)")
     ns = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     records = run(ns.model, ns.size, [float(f) for f in ns.fractions.split(",")], ns.policy,
-                  False if ns.not_bitwise else "auto")
+                  False if ns.not_bitwise else "auto", ns.time_limit)
     if ns.out:
         with open(ns.out, "w") as out:
             out.writelines(json.dumps(r) + "\n" for r in records)
