@@ -368,13 +368,14 @@ class Optimized:
 
     @_nnx_aware
     def measure(self, *args: Any, target: Any = None) -> Any:
-        """``jaxmem.measure`` of the planned step on ``target`` (default: the config's)."""
+        """``jaxmem.measure`` of the step planned for these arguments (planned once per
+        signature, as a call would: the arguments as they are, not placed on the target)
+        compiled for ``target`` (default: the one it was planned for)."""
         from jaxmem.cost.measure import measure
 
-        key, dyn, _ = self._split(args, {})
-        if target is None:
-            target = self.config.resolve_target(dyn)
-        return measure(self, *args, target=target)
+        key, dyn, rebuild = self._split(args, {})
+        entry = self._entry(key, dyn, rebuild)
+        return measure(entry.jitted, *dyn, target=entry.target if target is None else target)
 
     def cache_info(self) -> CacheInfo:
         """Signatures planned so far, planner calls and their time, verify compiles and

@@ -163,6 +163,23 @@ def test_measure_reports_the_planned_step():
     assert report.flops > plain.flops  # the re-issued matmuls
 
 
+def test_measure_uses_the_plan_made_for_the_arguments_as_passed():
+    """Concrete CPU arrays for an ``h100`` plan: ``measure`` compiles the plan the call
+    made for them instead of planning again for the arguments placed on the target."""
+    params, x = mlp_args()
+    budget = int(0.9 * jaxmem.measure(jax.grad(mlp_loss), params, x, target="h100").device_bytes)
+    step = jaxmem.optimize(jax.grad(mlp_loss), config=jaxmem.Config(
+        budget=budget, target="h100", planner="greedy"))
+    verified = step.verified(params, x)
+    before = step.cache_info()
+    report = step.measure(params, x)
+    after = step.cache_info()
+    assert before.entries == 1 and before.plans >= 1
+    assert (after.entries, after.plans, after.compiles) == (before.entries, before.plans,
+                                                           before.compiles)
+    assert report.target == "h100" and report.device_bytes == verified.rounds[-1].compiled_bytes
+
+
 def test_unsupported_constructs_run_unplanned_with_a_warning(caplog):
     def step(x):
         jax.experimental.io_callback(lambda v: None, None, x)
