@@ -62,6 +62,12 @@ class NnxStep:
     def block_plan(self, *args: Any, **kwargs: Any) -> Any:
         return self._on_state(_base("block_plan"), args, kwargs)
 
+    def measure(self, *args: Any, target: Any = None) -> Any:
+        def measure(step: Any, *pure_args: Any) -> Any:
+            return _base("measure")(step, *pure_args, target=target)
+
+        return self._on_state(measure, args, {})
+
 
 def _base(name: str) -> Callable[..., Any]:
     """The method ``name`` of the class after :class:`NnxStep` in a step's MRO (``Optimized``),

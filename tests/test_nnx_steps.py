@@ -119,6 +119,11 @@ def test_a_plain_nnx_step_plans_at_half_its_unplanned_peak_on_h100(planner):
     assert verified.plan.status == "ok", verified.plan.summary()
     assert verified.plan.remat or verified.plan.offload  # it had to decide something
     assert verified.rounds[-1].compiled_bytes <= budget
+    # measure compiles the plan the call made, planning nothing again
+    before = optimized.cache_info()
+    measured = optimized.measure(model, opt, _batch())
+    assert measured.device_bytes == verified.rounds[-1].compiled_bytes
+    assert optimized.cache_info().entries == before.entries
     # The h100 plan, emitted and run on the CPU, trains as nnx.jit does.
     _trains_as_nnx_jit(optimized)
 
