@@ -39,6 +39,16 @@ class FakeClock:
         for module in modules:
             monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=self))
 
+    def slow_down(self, monkeypatch, module, name: str, seconds: float) -> None:
+        """``module.name`` takes ``seconds`` more on this clock each call."""
+        real = getattr(module, name)
+
+        def slow(*args, **kwargs):
+            self.now += seconds
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, slow)
+
 
 def _use_planner(monkeypatch, name, fn):
     monkeypatch.setitem(_registry._ENTRIES, name, _registry.Entry(
@@ -228,17 +238,12 @@ def test_the_block_tables_front_is_compiled_only_while_the_limit_lasts(monkeypat
 
     clock = FakeClock(tick=1e-4)
     clock.install(monkeypatch, scanplan)
-    real = measure_module.measure
-
-    def slow(*args, **kwargs):
-        clock.now += 10.0
-        return real(*args, **kwargs)
+    clock.slow_down(monkeypatch, measure_module, "measure", 10.0)
 
     def every_table(scores, budget_bytes, choices):  # a front as long as a large step's
         return [({i.name: c for i, c in zip(scores.searched, combo)}, None, None, 0.0)
                 for combo in itertools.product(choices, repeat=len(scores.searched))]
 
-    monkeypatch.setattr(measure_module, "measure", slow)
     monkeypatch.setattr(scanplan._Scores, "front", every_table)
     step, args = _scanned_blocks_step(), _blocks_args()
     free = scanplan.plan_blocks(step, *args, budget_bytes=1 << 30, target="h100", refine=4)
@@ -260,13 +265,7 @@ def test_names_outside_scans_are_searched_exactly_as_far_as_the_limit_allows(mon
 
     clock = FakeClock(tick=1e-4)
     clock.install(monkeypatch, scanplan)
-    real = scanplan.trace
-
-    def slow(*args, **kwargs):
-        clock.now += 1.0
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(scanplan, "trace", slow)
+    clock.slow_down(monkeypatch, scanplan, "trace", 1.0)
     layer = jaxmem.remat(_layer)
 
     def loss(ws, x):
