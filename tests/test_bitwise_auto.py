@@ -122,6 +122,20 @@ def test_strict_bitwise_refuses_the_same_budget_and_says_what_relaxing_would_do(
         optimized.verified(*_args(jnp.bfloat16))
 
 
+def test_when_neither_attempt_fits_the_error_names_the_smallest_plan_of_both():
+    """Below every plan, the default config's error gives the relaxed attempt's best (the
+    smaller) as the smallest feasible budget, not the bit-exact attempt's."""
+    _, exact = _best_bytes("bfloat16", True)
+    _, relaxed = _best_bytes("bfloat16", False)
+    optimized = jaxmem.optimize(step, config=jaxmem.Config(
+        budget=relaxed // 2, target="h100", planner="sublinear", time_limit_s=10))
+    with pytest.raises(jaxmem.InfeasibleBudgetError) as err:
+        optimized.verified(*_args(jnp.bfloat16))
+    assert err.value.min_feasible_bytes < exact
+    assert err.value.min_feasible_bytes == err.value.best_compiled_bytes
+    assert "relaxed as with Config(bitwise=False): best compiled" in str(err.value)
+
+
 def test_auto_never_relaxes_a_32_bit_step():
     unplanned, exact = _best_bytes("float32", True)
     budget = exact - (unplanned - exact) // 4 - 1  # below every bit-exact plan

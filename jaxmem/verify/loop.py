@@ -353,14 +353,19 @@ def _settle(loop: _Loop, arg_labels: Sequence[int | str] | None
         plan = chosen.plan.replace(status="ok", budget_bytes=budget, notes=notes,
                                    compiled_bytes=chosen.compiled_bytes)
         return plan, jitted, compiled, tuple(rounds)
+    smallest, relaxed_tried = chosen.compiled_bytes, ""
     if _relaxable(graph, config):
         # A 16-bit step no bit-exact plan fits: plan it as jax.checkpoint would recompute.
         cost_model, cost_notes = loop.planning_costs()
         relaxed = _relaxed(loop, cost_model, cost_notes, arg_labels, chosen.compiled_bytes)
-        if relaxed is not None:
+        if not isinstance(relaxed, InfeasibleBudgetError):
             return relaxed
+        # The error names the smallest plan of either attempt.
+        smallest = min(smallest, relaxed.best_compiled_bytes or smallest)
+        relaxed_tried = (f"; relaxed as with Config(bitwise=False): best compiled "
+                         f"{format_bytes(relaxed.best_compiled_bytes or 0)}")
     tried = "; ".join(f"planner budget {format_bytes(r.planner_budget_bytes)} -> compiled "
-                      f"{format_bytes(r.compiled_bytes)}" for r in rounds)
+                      f"{format_bytes(r.compiled_bytes)}" for r in rounds) + relaxed_tried
     tried += "".join(f" ({why})" for why in loop.planning.reached) + _bitwise_hint(graph, config)
     tried += _scan_hint(graph, config)
     floor, undonated = ((None, ()) if config.allow_state_offload else
@@ -378,7 +383,7 @@ def _settle(loop: _Loop, arg_labels: Sequence[int | str] | None
         plan = chosen.plan.replace(status="over_budget", budget_bytes=budget, notes=notes,
                                    compiled_bytes=chosen.compiled_bytes)
         return plan, jitted, compiled, tuple(rounds)
-    raise InfeasibleBudgetError(budget, chosen.compiled_bytes, chosen.compiled_bytes,
+    raise InfeasibleBudgetError(budget, smallest, smallest,
                                 detail=f"planner {config.planner!r} on {target.name}: {tried}",
                                 planner=config.planner, floor_bytes=floor, undonated=undonated)
 
@@ -432,11 +437,12 @@ def _relaxable(graph: Any, config: Config) -> bool:
 
 def _relaxed(loop: _Loop, cost_model: Any, cost_notes: Sequence[str],
              arg_labels: Sequence[int | str] | None, exact_bytes: int
-             ) -> tuple[plan_lib.Plan, Any, jax.stages.Compiled, tuple[Round, ...]] | None:
+             ) -> tuple[plan_lib.Plan, Any, jax.stages.Compiled, tuple[Round, ...]] \
+        | InfeasibleBudgetError:
     """``Config(bitwise="auto")`` on a 16-bit step that no bit-exact plan fits: the verified
     plan made with ``bitwise=False`` when it fits (one warning names what it recomputes
-    whole), else ``None``. It plans within what the bit-exact attempt left of the step's
-    time limit (:mod:`jaxmem.verify.timing`)."""
+    whole), else its error (the smallest plan it compiled). It plans within what the
+    bit-exact attempt left of the step's time limit (:mod:`jaxmem.verify.timing`)."""
     graph, config, target = loop.graph, loop.config, loop.target
     relaxed_config = dataclasses.replace(config, bitwise=False, on_over_budget="raise")
     attempt = Attempt(config.time_limit_s * (1 - EXACT_SHARE), 0.0, "relaxed")
@@ -447,7 +453,7 @@ def _relaxed(loop: _Loop, cost_model: Any, cost_notes: Sequence[str],
             arg_labels=arg_labels, planning=loop.planning, attempt=attempt)
     except InfeasibleBudgetError as err:
         logger.info("bitwise='auto': the relaxed plans do not fit either (%s)", err)
-        return None
+        return err
     whole = _recomputed_whole(graph, plan)
     named = ", ".join(whole[:4]) + (f" and {len(whole) - 4} more" if len(whole) > 4 else "")
     why = (f"no bit-exact plan of this 16-bit step fits {format_bytes(config.budget_bytes(target))}"
