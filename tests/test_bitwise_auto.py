@@ -123,12 +123,13 @@ def test_strict_bitwise_refuses_the_same_budget_and_says_what_relaxing_would_do(
 
 
 def test_when_neither_attempt_fits_the_error_names_the_smallest_plan_of_both():
-    """Below every plan, the default config's error gives the relaxed attempt's best (the
-    smaller) as the smallest feasible budget, not the bit-exact attempt's."""
+    """Below every plan (1 byte), the default config's error gives the relaxed attempt's
+    best (the smaller, ``_between``'s premise) as the smallest feasible budget, not the
+    bit-exact attempt's."""
     _, exact = _best_bytes("bfloat16", True)
-    _, relaxed = _best_bytes("bfloat16", False)
+    _between()  # the premise: relaxed plans go lower
     optimized = jaxmem.optimize(step, config=jaxmem.Config(
-        budget=relaxed // 2, target="h100", planner="sublinear", time_limit_s=10))
+        budget=1, target="h100", planner="sublinear", time_limit_s=10))
     with pytest.raises(jaxmem.InfeasibleBudgetError) as err:
         optimized.verified(*_args(jnp.bfloat16))
     assert err.value.min_feasible_bytes < exact
