@@ -483,8 +483,8 @@ class Optimized:
         if block_plan is None:
             graph = graph_lib.analyse(program, target.name) if graph is None else graph
             return rebuild, graph, None
-        planning.charge(block_plan.search_time_s, "choosing the decision table of "
-                        + ("the scan bodies" if scan_bodies else "the jaxmem.remat blocks"))
+        planning.charge(block_plan.search_time_s, f"choosing the decision table of "
+                                                  f"{block_plan.blocks}")
         self._counters["compiles"] += block_plan.compiles
         self._counters["compile_s"] += block_plan.compile_time_s
         self._counters["planning_s"] += block_plan.solve_time_s - block_plan.compile_time_s
@@ -590,7 +590,7 @@ class Optimized:
         plan = plan.replace(graph=graph)
         if block_plan is not None:
             plan = plan.replace(block_decisions=dict(block_plan.decisions),
-                                notes=(*plan.notes, "jaxmem.remat blocks: "
+                                notes=(*plan.notes, f"{block_plan.blocks}: "
                                        + block_plan.summary().replace("\n", "; ")))
         run = compiled if runs_here(dyn, target) else jitted
         logger.info("jaxmem.optimize(%s): %s", rebuild.__name__, plan.summary().splitlines()[1])

@@ -121,6 +121,7 @@ class BlockPlan:
       compile_time_s: the part of ``solve_time_s`` spent compiling them.
       search_time_s: the part of ``solve_time_s`` the search's ``time_limit_s`` counts:
         all of it but the compiles that check the chosen table.
+      blocks: what the blocks are, in words ("the jaxmem.remat blocks", "the scan bodies").
       compiled_peak_bytes, compiled_host_bytes, compiled_est_step_time_s: the
         step compiled for the target under the table (None when not verified).
       notes: anything the planner simplified, in words.
@@ -145,6 +146,7 @@ class BlockPlan:
     compiles: int = 0
     compile_time_s: float = 0.0
     search_time_s: float = 0.0
+    blocks: str = "the jaxmem.remat blocks"
 
     def to_policy(self) -> tuple[_policy.TablePolicy, dict[str, str]]:
         """The ``jax.checkpoint`` policy and MaxText-style mapping
@@ -328,7 +330,8 @@ def _scores(tr: _Tracer, found: Mapping[str, tuple[int, int, str]], max_exact_na
     bodies = scan_bodies(tr.graph(None))
     in_scans = set().union(*(b.name_vars for b in bodies)) if bodies else set()
     exact = max_exact_names
-    if not set(found) <= in_scans:
+    only_in_scans = set(found) <= in_scans
+    if not only_in_scans:
         # Each set of kept names is traced: no more sets than half of the limit allows.
         per_trace = (time.perf_counter() - began) / max(len(found), 1)
         allowed = tr.clock.left_s() / 2
@@ -346,7 +349,7 @@ def _scores(tr: _Tracer, found: Mapping[str, tuple[int, int, str]], max_exact_na
     scores = _Scores(
         base_peak=simulate(none_graph).peak_bytes, searched=searched,
         kept_flops=_kept_flops(tr, [i.name for i in searched], [i.name for i in infos],
-                               bodies if set(found) <= in_scans else None, notes),
+                               bodies if only_in_scans else None, notes),
         model=model, forward_s=_phase_time_s(none_graph, model, "forward"),
         backward_s=_phase_time_s(none_graph, model, "backward"))
     return scores, infos, fixed
@@ -613,10 +616,11 @@ def with_block_plan(fn: Callable[..., Any], args: Sequence[Any], *, budget_bytes
             logger.warning("jaxmem blocks found but nothing to plan in them (%s); they save "
                            "every residual", err)
         return fn, None
-    what = "the scan bodies" if scan_bodies else "the jaxmem blocks"
+    if scan_bodies:
+        plan = dataclasses.replace(plan, blocks="the scan bodies")
     if plan.status != "ok":
         logger.warning("no decision table for %s fits the budget; using the smallest one "
-                       "found:\n%s", what, plan.summary())
+                       "found:\n%s", plan.blocks, plan.summary())
     else:
         logger.info("%s", plan.summary())
     return under_decisions(fn, plan.decisions), plan

@@ -67,8 +67,8 @@ class PlanningTime:
         self.compile_s = 0.0  # wall time of the compiles, not counted in the limit
         self.compiles = 0
         self.reached: list[str] = []  # why planning ended short of its rounds
-        self.charged: list[str] = []  # planning done outside planner calls, for the notes
-        self.charged_s = 0.0
+        # planning done outside planner calls: (seconds, what it was), for the notes
+        self.charged: list[tuple[float, str]] = []
 
     def left_s(self, reserve_s: float = 0.0) -> float:
         """What a planner call may still take, ``reserve_s`` kept back: the limit less the
@@ -108,8 +108,7 @@ class PlanningTime:
     def charge(self, seconds: float, what: str) -> None:
         """Count ``seconds`` of planning done outside a planner call (``what`` it was)."""
         self.planned_s += seconds
-        self.charged_s += seconds
-        self.charged.append(f"{seconds:.1f} s {what}")
+        self.charged.append((seconds, what))
 
     def compile(self, call: Callable[[], T]) -> T:
         """``call()``, a compile, timed apart from the limit."""
@@ -125,8 +124,9 @@ class PlanningTime:
         over = self.planned_s - self.limit_s
         calls = f"{self.calls} planner calls"
         if self.charged:
-            calls = (f"{self.planned_s - self.charged_s:.1f} s in {calls}, "
-                     + ", ".join(self.charged))
+            charged_s = sum(seconds for seconds, _ in self.charged)
+            calls = (f"{self.planned_s - charged_s:.1f} s in {calls}, "
+                     + ", ".join(f"{seconds:.1f} s {what}" for seconds, what in self.charged))
         spent = (f"planning {self.planned_s:.1f} s of time_limit_s={self.limit_s:g} "
                  + (f"({calls})" if self.charged else f"in {calls}")
                  + (f", {over:.1f} s over it (a planner call overran what it was given)"
