@@ -10,13 +10,13 @@ The registry (:func:`jaxmem.planners.register`) wraps each planner function so t
   how XLA compiles the step;
 * no plan copies to host, or re-issues as a buffer of its own, a value computed
   from literals only (a ``jnp.ones``, an ``iota``, a function of them:
-  :func:`constant_tensors`). XLA folds such values at compile time, and its
-  simplifier folds constant arithmetic across them (``(x * c) * c`` becomes
-  ``x * (c * c)`` for a constant ``c``); the copy's barrier, or the barriers that
-  keep a re-issued buffer's copies apart, hide the constant, and the planned step
-  computes other bits than the plain one (the loss of a step whose saved residual is
-  ``sin(ones)`` changed in its 7th digit). A planner that chose one has it dropped,
-  and the plan re-simulated. A fused constant re-issued inside a recomputed segment
+  :func:`~jaxmem.planners._folding.constant_tensors`). XLA folds such values at
+  compile time, and its simplifier folds constant arithmetic across them
+  (``(x * c) * c`` becomes ``x * (c * c)`` for a constant ``c``); the copy's barrier,
+  or the barriers that keep a re-issued buffer's copies apart, hide the constant, and
+  the planned step computes other bits than the plain one (the loss of a step whose
+  saved residual is ``sin(ones)`` changed in its 7th digit). A planner that chose one
+  has it dropped, and the plan re-simulated. A fused constant re-issued inside a recomputed segment
   is kept: it is recomputed from its literals, which XLA folds as in the plain step
   (the segment planners rely on it);
 * no plan re-issues a PRNG key's data (:func:`key_tensors`: a key, its split or
@@ -24,10 +24,18 @@ The registry (:func:`jaxmem.planners.register`) wraps each planner function so t
   nothing, and it moves where XLA computes the random bits from it (a re-issued
   Equinox dropout key changed 1e-7 of the gradients under XLA:CPU 0.12);
 * under ``bitwise=True``, a re-issued product also re-issues its operands that
-  scale a matmul's output by a constant (:func:`scaled_operands`), or the
-  re-issued copy would multiply in another order than the plain step; so does a
-  product among the fused values recomputed with a re-issued value (a constant
-  scaling of a layout chain from ``(1.5 * x) * mean(x)``);
+  scale a matmul's output by a constant
+  (:func:`~jaxmem.planners._folding.scaled_operands`), or the re-issued copy would
+  multiply in another order than the plain step; so does a product among the fused
+  values recomputed with a re-issued value (a constant scaling of a layout chain from
+  ``(1.5 * x) * mean(x)``);
+* under ``bitwise=True``, no plan re-issues or copies to host a value whose copy
+  recomputes a chain of two constant scalings joined by layout ops
+  (``shuffle(x * 1.5) * 1.5``: :func:`~jaxmem.planners._folding.double_scalings`).
+  XLA may fold the two constants into one in the copy and not in the plain step, or
+  the other way round, as the rest of the program decides
+  (``tests/test_emit.py::DOUBLE_SCALINGS``); the decision is dropped and the plan
+  re-simulated;
 * under ``bitwise=True``, no plan re-issues a buffer that applies a random mask
   (dropout's ``select_n(mask, x / keep, 0)``, ``mask * x / keep``, a sum it is fused
   into) and that a reduction reads
@@ -60,23 +68,18 @@ from typing import Any, Callable, Mapping, Sequence
 
 from jaxmem.analysis import materialize as mat
 from jaxmem.planners._estimate import estimate_time_s
+from jaxmem.planners._folding import (
+    constant_tensors,
+    resimulated,
+    with_scaled_operands,
+    without_copied_double_scalings,
+)
 from jaxmem.planners._options import PlannerOptions, check_options
 from jaxmem.plans import plan as plan_lib
 
 logger = logging.getLogger(__name__)
 
 _MiB = float(1 << 20)
-
-
-def constant_tensors(graph: Any) -> frozenset[int]:
-    """Tensors computed from literals and the program's constants only (no input on the way)."""
-    inputs = set(graph.inputs)
-    constant: set[int] = set()
-    for op in graph.ops:  # jaxpr order: an op's inputs are decided before it
-        if all(t in constant or (graph.tensors[t].producer is None and t not in inputs)
-               for t in op.inputs):
-            constant.update(op.outputs)
-    return frozenset(constant)
 
 
 def fits_as_written(graph: Any, name: str, budget_bytes: int, cost_model: Any,
@@ -144,7 +147,7 @@ def without_constant_decisions(graph: Any, plan: plan_lib.Plan, cost_model: Any
 
     kept = plan.replace(offload={t: p for t, p in plan.offload.items() if t not in constant},
                         remat={t: p for t, p in plan.remat.items() if t not in buffers})
-    peak, status = _resimulated(graph, kept)
+    peak, status = resimulated(graph, kept)
     time_s = plan.predicted_time_s
     if cost_model is not None and time_s is not None:
         time_s = estimate_time_s(graph, kept, cost_model)
@@ -157,96 +160,6 @@ def without_constant_decisions(graph: Any, plan: plan_lib.Plan, cost_model: Any
                             f"value{'s' if len(dropped) > 1 else ''} computed from constants only "
                             f"({names}): XLA folds them at compile time, and a barrier or copy "
                             f"would change the arithmetic around them"))
-
-
-# A product's re-issue whose operand is a matmul's output scaled by a constant (through
-# layout ops): see :func:`scaled_operands`.
-_PRODUCTS = frozenset({"mul", "div"})
-_SCALINGS = frozenset({"mul", "div", "neg"})
-_MATMULS = mat.MATMULS
-
-
-def scaled_operands(graph: Any, tensor: int, constant: frozenset[int] | None = None
-                    ) -> list[int]:
-    """Operands of ``tensor``'s product that XLA fuses and that scale a matmul's output.
-
-    In ``y = (1.5 * x) * mean(x)``, with ``x`` a matmul's output seen through layout
-    ops, XLA's simplifier folds the two constants together (``x * (sum(x) * 0.25)``).
-    A re-issue of ``y`` alone reads ``1.5 * x`` through the emitter's barrier (a chain
-    from a matmul is tied where it ends), which hides the scaling: the copy computes
-    ``(x * 1.5) * (sum(x) / 6)``, other bits. Re-issued with ``y``, the scaled operand
-    is recomputed after the tie, and the simplifier sees what it saw in the plain step.
-    """
-    from jaxmem.emit import LAYOUT_PRIMITIVES
-
-    constant = constant_tensors(graph) if constant is None else constant
-    producer = graph.tensors[tensor].producer
-    if producer is None or graph.ops[producer].primitive not in _PRODUCTS:
-        return []
-
-    def operand(op: Any) -> int | None:
-        """The one operand of ``op`` that is not a constant, if it has one."""
-        rest = [u for u in op.inputs if u not in constant]
-        return rest[0] if len(rest) == 1 else None
-
-    out = []
-    for v in dict.fromkeys(graph.ops[producer].inputs):
-        made = graph.tensors[v].producer
-        if (made is None or graph.tensors[v].materialized
-                or graph.ops[made].primitive not in _SCALINGS):
-            continue
-        u = operand(graph.ops[made])
-        while u is not None and graph.tensors[u].producer is not None:
-            op = graph.ops[graph.tensors[u].producer]
-            if op.primitive in _MATMULS:
-                out.append(v)
-                break
-            u = (operand(op) if op.primitive in LAYOUT_PRIMITIVES or op.primitive in _SCALINGS
-                 else None)
-    return out
-
-
-def _fused_closure(graph: Any, tensor: int) -> list[int]:
-    """``tensor`` and the fused values (not ``Tensor.materialized``) its re-issue recomputes
-    with it: its inputs, theirs, up to buffers."""
-    out, todo = [tensor], [tensor]
-    while todo:
-        producer = graph.tensors[todo.pop()].producer
-        if producer is None:
-            continue
-        for u in graph.ops[producer].inputs:
-            if u not in out and not graph.tensors[u].materialized:
-                out.append(u)
-                todo.append(u)
-    return out
-
-
-def with_scaled_operands(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
-    """``plan`` re-issuing the :func:`scaled_operands` of each re-issued product with it, and
-    of each product among the fused values recomputed with it."""
-    constant = constant_tensors(graph)
-    extra: dict[int, tuple[int, ...]] = {}
-    for t, points in plan.remat.items():
-        for v in (v for u in _fused_closure(graph, t) for v in scaled_operands(graph, u, constant)):
-            have = set(plan.remat.get(v, ())) | set(extra.get(v, ()))
-            if not set(points) <= have:
-                extra[v] = tuple(sorted(have | set(points)))
-    if not extra:
-        return plan
-    logger.info("%s: re-issuing the scaled matmul outputs %s with the products that read them",
-                plan.planner, sorted(extra))
-    kept = plan.replace(remat={**plan.remat, **extra})
-    peak, status = _resimulated(graph, kept)
-    return kept.replace(predicted_peak_bytes=peak, status=status)
-
-
-def _resimulated(graph: Any, plan: plan_lib.Plan) -> tuple[int, str]:
-    """The simulated peak of a plan a rule changed, and its status against its budget."""
-    peak = plan_lib.simulate_plan(graph, plan).peak_bytes
-    status = plan.status
-    if status == "ok" and peak > plan.budget_bytes:
-        status = "over_budget"
-    return peak, status
 
 
 # A random mask's source (see :func:`masked_sums`).
@@ -324,7 +237,7 @@ def _without_reissues(graph: Any, plan: plan_lib.Plan, dropped: Sequence[int], w
     if not dropped:
         return plan
     kept = plan.replace(remat={t: p for t, p in plan.remat.items() if t not in dropped})
-    peak, status = _resimulated(graph, kept)
+    peak, status = resimulated(graph, kept)
     names = ", ".join(f"t{t}" for t in dropped[:8]) + (", ..." if len(dropped) > 8 else "")
     logger.info("%s: dropped the re-issues of %d %s (%s)", plan.planner, len(dropped), what,
                 names)
@@ -594,6 +507,7 @@ def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool =
         return plan
     plan = without_masked_sums(graph, plan)
     plan = with_scaled_operands(graph, plan)
+    plan = without_copied_double_scalings(graph, plan)
     plan = without_refused_fused_copies(graph, plan)
     return without_refused_reductions(graph, plan)
 

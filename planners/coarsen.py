@@ -43,7 +43,7 @@ from typing import Any, Sequence
 
 from jaxmem.analysis import materialize as mat
 from jaxmem.planners._cpsat_problem import Item, Node, Problem, Schedule
-from jaxmem.planners._principles import constant_tensors
+from jaxmem.planners._folding import constant_tensors
 from jaxmem.plans import plan as plan_lib
 
 # Readers that keep XLA's fusion unchanged however a re-issue splits them (see

@@ -17,7 +17,7 @@ that leaves it as it is may be the first of several the peak needs); when no
 round helps any more, splits whose removal leaves the peak as it is are
 dropped, latest first (a split that
 saves nothing still costs time and changes what XLA compiles). Values computed
-from constants only are never split (XLA folds them; :mod:`jaxmem.planners._principles`).
+from constants only are never split (XLA folds them; :mod:`jaxmem.planners._folding`).
 The order of operations is never changed (greedy does not reorder, whatever
 ``allow_reorder`` says). With ``allow_state_offload``, a plan still over
 budget then places optimizer state (then parameters) in pinned host memory,
@@ -43,8 +43,8 @@ import time
 from typing import Any, Mapping
 
 from jaxmem.planners._estimate import estimate_time_s
+from jaxmem.planners._folding import constant_tensors
 from jaxmem.planners._options import PlannerOptions, check_options
-from jaxmem.planners._principles import constant_tensors
 from jaxmem.planners._registry import register
 from jaxmem.plans import placement as placement_lib, plan as plan_lib
 
@@ -102,7 +102,7 @@ def candidates(graph: Any, cost_model: Any) -> list[Candidate]:
                 or t.bytes <= 0 or t.id in outputs):
             continue  # a buffer in the graph's model and in the emitter's
         if t.id in constant:
-            continue  # XLA folds it at compile time (jaxmem.planners._principles)
+            continue  # XLA folds it at compile time (jaxmem.planners._folding)
         if graph.ops[t.producer].phase != "forward":
             # Gradients and updates are left alone: an extra reader (a host copy, a
             # re-issue) stops XLA's simplifier from folding them into their readers

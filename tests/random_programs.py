@@ -28,6 +28,28 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 OPS = ("matmul", "residual", "elementwise", "reduce", "reshape", "broadcast")
 MODES = ("greedy", "remat", "offload")
 
+# A * 1.5 -> shuffle -> * 1.5 chain copied for the backward pass (re-issued, or replayed
+# from a prefetched copy of its start) has one reader, and XLA may fold its two constant
+# scalings into one (* 2.25: one rounding where the other program rounds twice) in the copy
+# and not in the plain step, or the other way round. Which, depends on the program and on
+# jaxlib: (differs under 0.10.2, differs under 0.12) for each program below (None: 0.12
+# traces the program to other tensor ids, so the plan does not apply). A barrier
+# between the copy's two scalings fixes the first two under 0.10.2 and breaks the others;
+# no criterion read off the programs (readers, chain start) separated the kinds on more
+# than six programs (docs/exactness.md). Planned under ``bitwise=True``, no
+# planner keeps such a decision (``jaxmem.planners._folding.double_scalings``).
+DOUBLE_SCALINGS = {
+    "reissued-after-max": (["reduce", "matmul", "reshape", "reshape", "max", "reduce",
+                            "matmul"], 16, {"remat": {15: (29,)}}, (True, False)),  # case 106
+    "replayed-from-residual": (["residual", "reshape", "reshape", "broadcast", "matmul"], 8,
+                               {"offload": {14: 25}}, (True, False)),  # the property, greedy
+    "reissued-from-argument": (["reshape", "reshape", "matmul", "residual", "elementwise"], 8,
+                               {"remat": {10: (22,), 11: (22,), 12: (22,)}},
+                               (False, True)),  # case 40 with max reductions
+    "argument-read-by-add-and-matmul": (["reshape", "reshape", "residual"], 8,
+                                        {"remat": {9: (20,)}}, (False, None)),
+}
+
 
 def random_program(spec: list[str], width: int, seed: int, rows: int = 6
                    ) -> tuple[Callable[..., Any], Any]:

@@ -15,7 +15,7 @@ the falsifying example and hypothesis' ``@reproduce_failure`` blob, and
 ``DEFAULT_SEED`` (or ``JAXMEM_PROPERTY_SEED``). :data:`FOUND` lists the examples random runs
 found, each checked on its own: a constant scaling of a layout chain from a scaled-matmul
 product re-issued by greedy (the product is re-issued with it:
-``jaxmem.planners._principles.with_scaled_operands``), the split-everything remat plan of
+``jaxmem.planners._folding.with_scaled_operands``), the split-everything remat plan of
 ``['residual', 'reshape', 'reshape', 'max']`` (the max re-issued from the written value it
 read, not from a recomputed chain the simplifier rewrites: ``jaxmem.emit``), greedy's
 re-issue of a mask count (its converted mask recomputed from the comparison), and greedy's
