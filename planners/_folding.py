@@ -125,7 +125,7 @@ def with_scaled_operands(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
 
 
 def double_scalings(graph: Any) -> frozenset[int]:
-    """Both ends of each chain of two constant scalings joined by layout ops only.
+    """The second scaling of each chain of two constant scalings joined by layout ops only.
 
     In ``shuffle(x * 1.5) * 1.5`` XLA's simplifier may fold the two constants into one
     (``* 2.25``: one rounding where the written chain rounds twice), in one program and
@@ -149,15 +149,15 @@ def double_scalings(graph: Any) -> frozenset[int]:
         u = operand(t, _SCALINGS)
         while u is not None:
             if operand(u, _SCALINGS) is not None:
-                out.update((t, u))
+                out.add(t)
                 break
             u = operand(u, LAYOUT_PRIMITIVES)
     return frozenset(out)
 
 
 def without_copied_double_scalings(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
-    """``plan`` without re-issues whose copy recomputes a :func:`double_scalings` end and
-    without host copies of one, re-simulated."""
+    """``plan`` without re-issues whose copy recomputes a chain's second scaling
+    (:func:`double_scalings`) and without host copies of one, re-simulated."""
     ends = double_scalings(graph)
     if not ends or not (plan.remat or plan.offload):
         return plan
