@@ -81,9 +81,8 @@ def _measure_point(a: argparse.Namespace) -> dict[str, Any]:
                           plan_s=time.perf_counter() - started)
             return record
         record["plan_s"] = time.perf_counter() - started
-        key, dyn, rebuild = step._split(fresh(), {})
-        entry = step._entry(key, dyn, rebuild)
-        report = jaxmem.measure(entry.jitted, *built.args, target=target)
+        report = step.measure(*fresh(), target=target)  # the program verified() settled on
+        blocks = step.block_plan(*fresh())
         last = verified.rounds[-1] if verified.rounds else None
         plan = verified.plan
         record.update(status=str(getattr(plan, "status", "unplanned")),
@@ -91,8 +90,7 @@ def _measure_point(a: argparse.Namespace) -> dict[str, Any]:
                       compiled_peak_bytes=last.compiled_bytes if last else report.device_bytes,
                       host_bytes=report.host_bytes, est_step_time_s=report.est_step_time_s,
                       plan_predicted_time_s=getattr(plan, "predicted_time_s", None),
-                      block_decisions=(dict(entry.block_plan.decisions)
-                                       if entry.block_plan is not None else None),
+                      block_decisions=dict(blocks.decisions) if blocks is not None else None,
                       **_plan_fields(plan))
     print(json.dumps(record), flush=True)  # the compile-only figures, before the device run
     run = run_on_device(step, host, repeats=a.repeats, warmup=a.warmup)
