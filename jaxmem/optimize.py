@@ -483,8 +483,8 @@ class Optimized:
         if block_plan is None:
             graph = graph_lib.analyse(program, target.name) if graph is None else graph
             return rebuild, graph, None
-        planning.charge(block_plan.search_time_s, f"choosing the decision table of "
-                                                  f"{block_plan.blocks}")
+        planning.charge(block_plan.search_time_s,
+                        f"choosing the decision table of {block_plan.blocks}")
         self._counters["compiles"] += block_plan.compiles
         self._counters["compile_s"] += block_plan.compile_time_s
         self._counters["planning_s"] += block_plan.solve_time_s - block_plan.compile_time_s

@@ -16,9 +16,9 @@ The registry (:func:`jaxmem.planners.register`) wraps each planner function so t
   or the barriers that keep a re-issued buffer's copies apart, hide the constant, and
   the planned step computes other bits than the plain one (the loss of a step whose
   saved residual is ``sin(ones)`` changed in its 7th digit). A planner that chose one
-  has it dropped, and the plan re-simulated. A fused constant re-issued inside a recomputed segment
-  is kept: it is recomputed from its literals, which XLA folds as in the plain step
-  (the segment planners rely on it);
+  has it dropped, and the plan re-simulated. A fused constant re-issued inside a
+  recomputed segment is kept: it is recomputed from its literals, which XLA folds as in
+  the plain step (the segment planners rely on it);
 * no plan re-issues a PRNG key's data (:func:`key_tensors`: a key, its split or
   folded keys, the words of their data): a key is a few bytes, so its re-issue frees
   nothing, and it moves where XLA computes the random bits from it (a re-issued
