@@ -72,6 +72,10 @@ KNOWN_ON_CURRENT_JAX = {
         "tests/test_schedule_stale_fused.py::test_a_relu_mask_read_by_a_bias_gradient_is_refreshed",
         "tests/test_principles.py::test_any_planners_reissued_product_gets_its_scaled_"
         "operand",
+        # The two matmuls that read the dropped scaling chain stay re-issued; on 0.12 their
+        # copies round otherwise (the chain's hand plan differs on 0.12 only), on 0.10.2 not.
+        "tests/test_principles.py::test_no_plan_keeps_a_copied_chain_of_two_constant_scalings"
+        "[reissued-from-argument]",
         "tests/test_block_detection.py::test_blocks_plan_of_an_nnx_gpt_lowers_its_peak_and_runs_bitwise",
         "tests/test_nnx_steps.py::test_a_plain_nnx_step_plans_at_half_its_unplanned_peak_on_h100",
         # The MLP's gelu product re-issued alone: its tie sits before the dropout's division
