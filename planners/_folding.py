@@ -10,12 +10,15 @@ emitter's barriers, and may fold otherwise than the plain step. Two rules, both 
   constant (:func:`with_scaled_operands`);
 * no plan re-issues or copies to host a value whose copy recomputes a chain of two
   constant scalings (:func:`without_copied_double_scalings`).
+
+It also holds the plan edits every rule shares: :func:`resimulated` and
+:func:`without_reissues`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Collection, Sequence
 
 from jaxmem.analysis import materialize as mat
 from jaxmem.plans import plan as plan_lib
@@ -41,6 +44,25 @@ def resimulated(graph: Any, plan: plan_lib.Plan) -> tuple[int, str]:
     if status == "ok" and peak > plan.budget_bytes:
         status = "over_budget"
     return peak, status
+
+
+def without_reissues(graph: Any, plan: plan_lib.Plan, dropped: Sequence[int], what: str,
+                     why: str, *, host_copies: Collection[int] = ()) -> plan_lib.Plan:
+    """``plan`` without the re-issues of ``dropped`` and the host copies of ``host_copies``
+    (``what`` they are, and ``why``), re-simulated, with a note and an INFO line saying so."""
+    if not dropped and not host_copies:
+        return plan
+    reissues, copies = set(dropped), set(host_copies)
+    gone = sorted(reissues | copies)
+    kept = plan.replace(remat={t: p for t, p in plan.remat.items() if t not in reissues},
+                        offload={t: p for t, p in plan.offload.items() if t not in copies})
+    peak, status = resimulated(graph, kept)
+    names = ", ".join(f"t{t}" for t in gone[:8]) + (", ..." if len(gone) > 8 else "")
+    decisions = "re-issues and host copies" if host_copies else "re-issues"
+    logger.info("%s: dropped the %s of %d %s (%s)", plan.planner, decisions, len(gone), what,
+                names)
+    return kept.replace(predicted_peak_bytes=peak, status=status, notes=(
+        *kept.notes, f"dropped the {decisions} of {len(gone)} {what} ({names}): {why}"))
 
 
 # A product's re-issue whose operand is a matmul's output scaled by a constant (through
@@ -124,7 +146,7 @@ def with_scaled_operands(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
     return kept.replace(predicted_peak_bytes=peak, status=status)
 
 
-def double_scalings(graph: Any) -> frozenset[int]:
+def double_scalings(graph: Any, constant: frozenset[int] | None = None) -> frozenset[int]:
     """The second scaling of each chain of two constant scalings joined by layout ops only.
 
     In ``shuffle(x * 1.5) * 1.5`` XLA's simplifier may fold the two constants into one
@@ -134,7 +156,7 @@ def double_scalings(graph: Any) -> frozenset[int]:
     """
     from jaxmem.emit import LAYOUT_PRIMITIVES
 
-    constant = constant_tensors(graph)
+    constant = constant_tensors(graph) if constant is None else constant
 
     def operand(t: int, kinds: frozenset[str]) -> int | None:
         """The one operand of ``t``'s producer that is not a constant, when it is of ``kinds``."""
@@ -158,25 +180,17 @@ def double_scalings(graph: Any) -> frozenset[int]:
 def without_copied_double_scalings(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
     """``plan`` without re-issues whose copy recomputes a chain's second scaling
     (:func:`double_scalings`) and without host copies of one, re-simulated."""
-    ends = double_scalings(graph)
-    if not ends or not (plan.remat or plan.offload):
+    if not (plan.remat or plan.offload):
         return plan
-    drop = ({t for t in plan.remat if ends.intersection(_fused_closure(graph, t))}
-            | (set(plan.offload) & ends))
-    # a product re-issued with its scaled operands (with_scaled_operands) goes with them
     constant = constant_tensors(graph)
+    ends = double_scalings(graph, constant)
+    drop = {t for t in plan.remat if ends.intersection(_fused_closure(graph, t))}
+    copies = set(plan.offload) & ends
+    # a product re-issued with its scaled operands (with_scaled_operands) goes with them
+    first = drop | copies
     drop |= {t for t in plan.remat if any(
-        v in drop for u in _fused_closure(graph, t) for v in scaled_operands(graph, u, constant))}
-    if not drop:
-        return plan
-    dropped = sorted(drop)
-    kept = plan.replace(remat={t: p for t, p in plan.remat.items() if t not in dropped},
-                        offload={t: p for t, p in plan.offload.items() if t not in dropped})
-    peak, status = resimulated(graph, kept)
-    names = ", ".join(f"t{t}" for t in dropped[:8]) + (", ..." if len(dropped) > 8 else "")
-    logger.info("%s: dropped the decisions on %d chains of two constant scalings (%s)",
-                plan.planner, len(dropped), names)
-    return kept.replace(predicted_peak_bytes=peak, status=status, notes=(
-        *kept.notes, f"dropped the re-issues and host copies of {len(dropped)} values whose "
-                     f"copy recomputes two constant scalings ({names}): XLA may fold the two "
-                     f"constants into one in the copy and not in the plain step"))
+        v in first for u in _fused_closure(graph, t) for v in scaled_operands(graph, u, constant))}
+    return without_reissues(
+        graph, plan, sorted(drop), "values whose copy recomputes two constant scalings",
+        "XLA may fold the two constants into one in the copy and not in the plain step",
+        host_copies=copies)

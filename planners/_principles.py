@@ -64,7 +64,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 from jaxmem.analysis import materialize as mat
 from jaxmem.planners._estimate import estimate_time_s
@@ -73,6 +73,7 @@ from jaxmem.planners._folding import (
     resimulated,
     with_scaled_operands,
     without_copied_double_scalings,
+    without_reissues,
 )
 from jaxmem.planners._options import PlannerOptions, check_options
 from jaxmem.plans import plan as plan_lib
@@ -130,7 +131,7 @@ def key_tensors(graph: Any) -> frozenset[int]:
 def without_key_reissues(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
     """``plan`` without re-issues of :func:`key_tensors`, re-simulated."""
     dropped = sorted(set(plan.remat) & key_tensors(graph)) if plan.remat else []
-    return _without_reissues(
+    return without_reissues(
         graph, plan, dropped, "PRNG keys or their data",
         "a key is a few bytes, and its re-issue moves where XLA computes the random bits")
 
@@ -230,25 +231,10 @@ def masked_sums(graph: Any) -> frozenset[int]:
     return frozenset(out)
 
 
-def _without_reissues(graph: Any, plan: plan_lib.Plan, dropped: Sequence[int], what: str,
-                      why: str) -> plan_lib.Plan:
-    """``plan`` without the re-issues of ``dropped`` (``what`` they are, one of them and
-    several, and ``why``), re-simulated, with a note and an INFO line saying so."""
-    if not dropped:
-        return plan
-    kept = plan.replace(remat={t: p for t, p in plan.remat.items() if t not in dropped})
-    peak, status = resimulated(graph, kept)
-    names = ", ".join(f"t{t}" for t in dropped[:8]) + (", ..." if len(dropped) > 8 else "")
-    logger.info("%s: dropped the re-issues of %d %s (%s)", plan.planner, len(dropped), what,
-                names)
-    return kept.replace(predicted_peak_bytes=peak, status=status, notes=(
-        *kept.notes, f"dropped the re-issues of {len(dropped)} {what} ({names}): {why}"))
-
-
 def without_masked_sums(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
     """``plan`` without re-issues of :func:`masked_sums`, re-simulated."""
     dropped = sorted(set(plan.remat) & masked_sums(graph)) if plan.remat else []
-    return _without_reissues(
+    return without_reissues(
         graph, plan, dropped, "randomly masked values read by sums",
         "XLA:CPU fuses a re-issued copy into the sums, which then add in another order than "
         "the plain step's")
@@ -421,7 +407,7 @@ def without_refused_reductions(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan
             break
         dropped |= more
         kept = kept.replace(remat={t: p for t, p in kept.remat.items() if t not in dropped})
-    return _without_reissues(
+    return without_reissues(
         graph, plan, sorted(dropped), "reductions XLA:CPU would fuse otherwise",
         "XLA:CPU computes a reduction inside the loop of its one reader, or as a kernel of "
         "its own where several read it, and the two sum in other orders")
@@ -488,7 +474,7 @@ def refused_fused_copies(graph: Any, plan: plan_lib.Plan) -> frozenset[int]:
 
 def without_refused_fused_copies(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
     """``plan`` without re-issues of :func:`refused_fused_copies`, re-simulated."""
-    return _without_reissues(
+    return without_reissues(
         graph, plan, sorted(refused_fused_copies(graph, plan)),
         "elementwise buffers only re-issued ops read",
         "XLA:CPU would compute the copy inside the kernels of its readers, where the plain "

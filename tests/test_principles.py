@@ -132,6 +132,20 @@ def test_a_reissued_product_recomputes_its_scaled_matmul_operand(name):
     assert _bitwise(jax.jit(emit.emit(g, plan))(*args), jax.jit(step)(*args))
 
 
+def _through_the_registry(written, graph):
+    """``written`` returned by a registered planner, one byte below ``graph``'s simulated
+    peak: under the registry's rules with ``bitwise=True``, and with ``bitwise=False``."""
+    def planner(graph, budget_bytes, cost_model, options):
+        return written.replace(planner="test_planner", budget_bytes=budget_bytes)
+
+    registry.register("test_planner", planner)
+    try:
+        return (registry.get("test_planner").fn(graph, _peak(graph) - 1, CPU, {}),
+                registry.get("test_planner").fn(graph, _peak(graph) - 1, CPU, {"bitwise": False}))
+    finally:
+        registry._ENTRIES.pop("test_planner")
+
+
 def test_any_planners_reissued_product_gets_its_scaled_operand():
     step, args = random_program(*XMEAN)
     g = build_graph(step, *args, target="cpu")
@@ -141,15 +155,7 @@ def test_any_planners_reissued_product_gets_its_scaled_operand():
     assert not _bitwise(jax.jit(emit.emit(g, alone))(*args), jax.jit(step)(*args)), \
         "the emitter now keeps the bits of this re-issue: the planners need not add t7"
 
-    def product_alone(graph, budget_bytes, cost_model, options):
-        return alone.replace(planner="test_product", budget_bytes=budget_bytes)
-
-    registry.register("test_product", product_alone)
-    try:
-        plan = registry.get("test_product").fn(g, _peak(g) - 1, CPU, {})
-        loose = registry.get("test_product").fn(g, _peak(g) - 1, CPU, {"bitwise": False})
-    finally:
-        registry._ENTRIES.pop("test_product")
+    plan, loose = _through_the_registry(alone, g)
     assert dict(plan.remat) == {7: (15,), 11: (15,)}
     assert plan.predicted_peak_bytes == _peak(g, plan)
     assert _bitwise(jax.jit(emit.emit(g, plan))(*args), jax.jit(step)(*args))
@@ -173,15 +179,7 @@ def test_no_plan_keeps_a_copied_chain_of_two_constant_scalings(case):
         raise RuntimeError(f"tensor ids moved: one of {sorted(decided)} should be a scaling")
     written = plan_lib.unplanned(g).replace(**fields)
 
-    def copies_the_chain(graph, budget_bytes, cost_model, options):
-        return written.replace(planner="test_chain", budget_bytes=budget_bytes)
-
-    registry.register("test_chain", copies_the_chain)
-    try:
-        plan = registry.get("test_chain").fn(g, _peak(g) - 1, CPU, {})
-        loose = registry.get("test_chain").fn(g, _peak(g) - 1, CPU, {"bitwise": False})
-    finally:
-        registry._ENTRIES.pop("test_chain")
+    plan, loose = _through_the_registry(written, g)
     assert not scalings & (set(plan.remat) | set(plan.offload)), plan.summary()
     assert any("two constant scalings" in note for note in plan.notes), plan.notes
     assert plan.predicted_peak_bytes == _peak(g, plan)

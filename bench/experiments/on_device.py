@@ -81,8 +81,9 @@ def _measure_point(a: argparse.Namespace) -> dict[str, Any]:
                           plan_s=time.perf_counter() - started)
             return record
         record["plan_s"] = time.perf_counter() - started
-        report = step.measure(*fresh(), target=target)  # the program verified() settled on
-        blocks = step.block_plan(*fresh())
+        args = fresh()
+        report = step.measure(*args, target=target)  # the program verified() settled on
+        blocks = step.block_plan(*args)
         last = verified.rounds[-1] if verified.rounds else None
         plan = verified.plan
         record.update(status=str(getattr(plan, "status", "unplanned")),
