@@ -124,3 +124,41 @@ def test_no_plan_reissues_a_prng_key():
         remat={t: (max(g.tensors[t].consumers),) for t in keys})
     kept = _principles.made_exact(g, reissued, cost_model=None)
     assert not kept.remat and any("PRNG keys" in note for note in kept.notes), kept.notes
+
+
+def _attention_dropout():
+    """Attention probabilities with dropout: the mask is read in the forward and the backward."""
+    def loss(w, x, key):
+        p = jax.nn.softmax((x @ w) @ x.T, axis=-1)
+        p = jnp.where(jax.random.bernoulli(key, 0.9, p.shape), p / 0.9, 0)
+        return jnp.sum((p @ x) ** 2)
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((32, 32)).astype(np.float32) / 6)
+    x = jnp.asarray(rng.standard_normal((64, 32)).astype(np.float32))
+    return jax.grad(loss), (w, x, jax.random.PRNGKey(0))
+
+
+def test_a_reissued_dropout_mask_is_left_to_xla_where_it_is_made():
+    """Re-issuing a dropout mask for the backward pass leaves its forward copy one reader.
+
+    A first copy left with one reader is kept a buffer (a barrier alone on it), so that
+    XLA does not fuse it into that reader and a sum there add in another order. A mask
+    is computed exactly wherever XLA computes it; barriered, GPT-2's attention-dropout
+    masks and their random bits were written out in the forward pass (24 GiB more traffic
+    a step at bench size on h100), where jax.checkpoint's recompute hashes the bits inside
+    the dropout's select. The mask's first copy goes through no barrier, and
+    the step keeps its bits.
+    """
+    step, args = _attention_dropout()
+    g = build_graph(step, *args, target="cpu")
+    masks = [t.id for t in g.tensors if t.producer is not None and t.dtype == np.bool_
+             and g.ops[t.producer].primitive == "lt"]
+    assert len(masks) == 1 and len(g.tensors[masks[0]].consumers) == 2, masks
+    (mask,) = masks
+    plan = plan_lib.unplanned(g).replace(remat={mask: (max(g.tensors[mask].consumers),)})
+    jaxpr = jax.make_jaxpr(emit.emit(g, plan))(*args).jaxpr
+    alone = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"
+             and all(v.aval.dtype == np.bool_ for v in e.invars)]
+    assert not alone, f"the mask's first copy is kept a buffer: {alone}"
+    assert _bitwise(jax.jit(emit.emit(g, plan))(*args), jax.jit(step)(*args))

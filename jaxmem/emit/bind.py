@@ -63,6 +63,13 @@ def _barrier(values: list[Any]) -> list[Any]:
     return list(jax.lax.optimization_barrier(values)) if values else values
 
 
+def _rounds(value: Any) -> bool:
+    """Whether ``value`` (an array or an abstract value) is floating point: its bits depend
+    on how XLA computes it. Masks, indices and random bits do not round."""
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
 def _kept_written(value: Any) -> Any:
     """``value`` unchanged, but written to a buffer by XLA:CPU rather than fused into its reader.
 
@@ -75,8 +82,7 @@ def _kept_written(value: Any) -> Any:
     computed by a loop fusion of its own and its reader reads that buffer, as
     in the plain step. Values other than floating point are returned as they are.
     """
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    if not _rounds(value):
         return value
-    info = jnp.finfo(dtype)
+    info = jnp.finfo(value.dtype)
     return jax.lax.reduce_precision(value, exponent_bits=info.nexp, mantissa_bits=info.nmant)

@@ -18,6 +18,7 @@ from jaxmem.emit.bind import (
     _inverse,
     _kept_written,
     _literal_key,
+    _rounds,
     bind_equation,
 )
 from jaxmem.emit.host import _HostUpdate
@@ -48,7 +49,6 @@ class _Interpreter(_FusionRules):
         self.view = schedule.view
         self.pins = pins
         self.sink = sink
-        self.split = self._split_alone(schedule)
         self.lone_copies = self._lone_copies(schedule)
         self.scope_starts = scope_starts
         # Per run: version -> the event that computed it, and when (in issue order);
@@ -70,6 +70,14 @@ class _Interpreter(_FusionRules):
         # Bytes of every value as the program computes it (the view sizes fused values 0).
         self.avals = value_avals(program)
         self.nbytes = [_compat.aval_bytes(a) for a in self.avals]
+        # First copies kept a buffer when left with one reader (see run): only values
+        # that round. A mask or an index is computed exactly wherever XLA computes it,
+        # so it is left to XLA, which fuses it into its reader as jax.checkpoint's
+        # recompute does (GPT-2's attention-dropout masks: the random bits hashed
+        # inside the dropout's select rather than written out, 24 GiB less traffic a
+        # step at bench size on h100).
+        self.split = frozenset(t for t in self._split_alone(schedule)
+                               if _rounds(self.avals[t]))
         # Versions the events of each checkpoint scope read from outside it, and the
         # literals its barrier takes (jaxmem.tracing.trace.Program.remat_literals).
         self.scope_inputs = self._scope_inputs()
@@ -359,10 +367,11 @@ class _Interpreter(_FusionRules):
             # A re-issued tensor keeps fewer readers of its first copy; when one is left,
             # keep that copy a buffer as it was, or XLA fuses it into the lone reader and
             # a fused reduction may sum in another order (results would no longer be
-            # bitwise equal). A copy still read by two ops or more is left to XLA: it
-            # decides as in the plain step, where a cheap value such as a softmax's
-            # exponential is recomputed inside each reader, never written (a barrier
-            # would write and read it back once per layer, as jax.checkpoint does not).
+            # bitwise equal; only values that round, see self.split). A copy still read
+            # by two ops or more is left to XLA: it decides as in the plain step, where a
+            # cheap value such as a softmax's exponential is recomputed inside each reader,
+            # never written (a barrier would write and read it back once per layer, as
+            # jax.checkpoint does not).
             # (Not a value the simplifier computes through: see _tie_point; nor a matmul's
             # output its lone reader folds into the matmul: see _folded_into_reader.) On the CPU
             # the barrier is gone before XLA fuses; a copy whose lone reader sums is kept
