@@ -15,8 +15,10 @@ from jaxmem.plans import placement as placement_lib, plan as plan_lib
 def estimate_time_s(graph: MemGraph, plan: plan_lib.Plan, cost_model: CostModel) -> float:
     """Estimated step time of ``plan``: its events on one compute stream and two copy streams.
 
-    Ops and re-issues run one after another at roofline speed (fused re-issues
-    are free: XLA recomputes fused values inside their readers anyway). A
+    Ops and re-issues run one after another at roofline speed. A fused re-issue moves
+    no bytes of its own (XLA recomputes it inside its readers) but does its arithmetic
+    again: negligible for most elementwise ops, not for hashing random bits (a dropout
+    mask, about 113 integer ops per element). A
     device-to-host copy starts when its tensor is made, a prefetch where the
     plan puts it (after its host copy is done); each direction of the link
     copies one tensor at a time; an op waits for the prefetched values it reads. State
@@ -38,9 +40,11 @@ def estimate_time_s(graph: MemGraph, plan: plan_lib.Plan, cost_model: CostModel)
         if ev.kind in ("op", "remat"):
             clock = wait + cost_model.graph_op_time_s(graph, ev.op)  # type: ignore[arg-type]
         elif ev.kind == "fused":
+            compute = cost_model.graph_op_compute_s(graph, ev.op)  # type: ignore[arg-type]
+            clock += compute
             for w in ev.writes:
                 if w is not None:
-                    ready[w] = wait
+                    ready[w] = wait + compute
         elif ev.kind == "offload":
             t = ev.tensors[0]
             start = max(clock, link["d2h"])

@@ -112,7 +112,7 @@ def scaled_operands(graph: Any, tensor: int, constant: frozenset[int] | None = N
     return out
 
 
-def _fused_closure(graph: Any, tensor: int) -> list[int]:
+def fused_closure(graph: Any, tensor: int) -> list[int]:
     """``tensor`` and the fused values (not ``Tensor.materialized``) its re-issue recomputes
     with it: its inputs, theirs, up to buffers."""
     out, todo = [tensor], [tensor]
@@ -133,7 +133,7 @@ def with_scaled_operands(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
     constant = constant_tensors(graph)
     extra: dict[int, tuple[int, ...]] = {}
     for t, points in plan.remat.items():
-        for v in (v for u in _fused_closure(graph, t) for v in scaled_operands(graph, u, constant)):
+        for v in (v for u in fused_closure(graph, t) for v in scaled_operands(graph, u, constant)):
             have = set(plan.remat.get(v, ())) | set(extra.get(v, ()))
             if not set(points) <= have:
                 extra[v] = tuple(sorted(have | set(points)))
@@ -184,12 +184,12 @@ def without_copied_double_scalings(graph: Any, plan: plan_lib.Plan) -> plan_lib.
         return plan
     constant = constant_tensors(graph)
     ends = double_scalings(graph, constant)
-    drop = {t for t in plan.remat if ends.intersection(_fused_closure(graph, t))}
+    drop = {t for t in plan.remat if ends.intersection(fused_closure(graph, t))}
     copies = set(plan.offload) & ends
     # a product re-issued with its scaled operands (with_scaled_operands) goes with them
     first = drop | copies
     drop |= {t for t in plan.remat if any(
-        v in first for u in _fused_closure(graph, t) for v in scaled_operands(graph, u, constant))}
+        v in first for u in fused_closure(graph, t) for v in scaled_operands(graph, u, constant))}
     return without_reissues(
         graph, plan, sorted(drop), "values whose copy recomputes two constant scalings",
         "XLA may fold the two constants into one in the copy and not in the plain step",

@@ -164,7 +164,7 @@ def without_constant_decisions(graph: Any, plan: plan_lib.Plan, cost_model: Any
 
 
 # A random mask's source (see :func:`masked_sums`).
-_RANDOM_BITS = frozenset({"random_bits", "rng_bit_generator", "threefry2x32"})
+_RANDOM_BITS = mat.RANDOM_BITS
 
 
 def masked_sums(graph: Any) -> frozenset[int]:

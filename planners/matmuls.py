@@ -2,14 +2,15 @@
 
 The flat-graph counterpart of JAX's ``dots_saveable`` policy. Residuals (forward
 buffers the backward pass reads) made by a ``dot_general`` or a convolution are
-kept; every other residual -- activations, normalizations, the elementwise ops
-between matmuls -- is re-issued before its first backward reader when its
-recompute closure (:func:`jaxmem.planners._shared.remat_points`, with the
-other residuals kept) needs no matmul, so it comes back by elementwise work
-from values that stay alive anyway. The recomputation costs
-elementwise work only, which on a GPU is memory-bound and cheap next to the
-matmuls, so the plan is often the fastest one that saves a good share of the
-activations. ``cpsat`` uses it as one of its warm starts.
+kept, and so are those computed from random bits (dropout masks: hashing the bits
+again is compute-bound, :func:`compute_bound`); every other residual -- activations,
+normalizations, the elementwise ops between matmuls -- is re-issued before its first
+backward reader when its recompute closure
+(:func:`jaxmem.planners._shared.remat_points`, with the other residuals kept) needs
+neither, so it comes back by elementwise work from values that stay alive anyway. The
+recomputation costs elementwise work only, which on a GPU is memory-bound and cheap
+next to the matmuls, so the plan is often the fastest one that saves a good share of
+the activations. ``cpsat`` uses it as one of its warm starts.
 
 ``keep_matmuls_no_batch`` is the counterpart of ``dots_with_no_batch_dims_saveable``:
 it keeps only matmuls without batch dimensions (a layer's projections, whose
@@ -17,7 +18,7 @@ inputs are weights) and convolutions, and recomputes the batched ones (a
 transformer's attention scores and context) with the rest.
 
 ``keep_matmuls_fit`` follows the budget: it recomputes the residuals whose
-recomputation needs a matmul, the cheapest per byte first, until the plan fits
+recomputation needs a matmul or random bits, the cheapest per byte first, until the plan fits
 (:func:`keep_matmuls_fit`): the choice the MaxText presets
 (``save_dot_except_mlpwi``, ``save_qkv_proj``, ...) make by name, made by cost
 per byte for any budget.
@@ -51,6 +52,7 @@ from typing import Any, ClassVar, Mapping
 from jaxmem.analysis import materialize as mat
 from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
+from jaxmem.planners._folding import fused_closure
 from jaxmem.planners._options import Kind, PlannerOptions, check_options
 from jaxmem.planners._registry import register
 from jaxmem.planners._shared import (
@@ -116,7 +118,8 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
 
     Starts from :func:`keep_matmuls`'s plan. The residuals it keeps whose
     recomputation needs a matmul (matmul outputs, a projection's biased
-    output, a residual stream ``h + f(h)``) are recomputed in order of
+    output, a residual stream ``h + f(h)``) or random bits (dropout masks) are
+    recomputed in order of
     recompute time per byte (the roofline time of the closure each re-issues
     with every other residual kept; ties: larger first, then program order),
     so attention scores (a short contraction: cheap per byte) go before
@@ -138,12 +141,13 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     cheap = _cheap(graph, closures, batched=True)
     cheap_set = set(cheap)
     # What each kept residual costs to recompute (its closure, every other residual
-    # kept): the kept ones whose closure has a matmul are the candidates.
+    # kept): the kept ones whose closure has a matmul or hashes random bits are the
+    # candidates.
     cost: dict[int, float] = {}
     for t, closure in closures.items():
         if t in cheap_set or not reissuable(graph, t):
             continue
-        if any(makes_matmul(graph, u) for u in closure):
+        if any(compute_bound(graph, u) for u in closure):
             cost[t] = sum(cost_model.graph_op_time_s(graph, computed_by(graph, u))
                           for u in closure)
     ratio = {t: cost[t] / max(1, graph.tensors[t].bytes) for t in cost}
@@ -158,7 +162,7 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     def plan_dropping(dropped: list[int]) -> plan_lib.Plan:
         remat, _ = remat_points(graph, res, cheap + dropped)
         note = (f"{len(dropped)} of {len(cost)} residuals whose recomputation needs a matmul "
-                f"recomputed, the cheapest per byte first; "
+                f"or random bits recomputed, the cheapest per byte first; "
                 + _kept_note(graph, res, remat, cheap))
         return finish(graph, budget_bytes, cost_model, planner=FIT, started=started,
                       order=res.order, remat=remat, notes=[note], warn=False)
@@ -205,14 +209,15 @@ def _closures(graph: MemGraph, res: Any) -> dict[int, dict[int, Any]]:
 
 
 def _cheap(graph: MemGraph, closures: Mapping[int, Any], batched: bool) -> list[int]:
-    """Residuals whose recompute closure (``_closures``) re-issues no kept matmul.
+    """Residuals whose recompute closure (``_closures``) re-issues no kept matmul and
+    hashes no random bits (:func:`compute_bound`).
 
     They come back from what stays alive anyway, by elementwise work. (A
     residual stream ``h + f(h)`` stays: recomputing it would keep the matmul
     output ``f(h)`` alive instead, or recompute the matmul.)
     """
-    return [t for t, closure in closures.items() if not makes_matmul(graph, t, batched)
-            and not any(makes_matmul(graph, u, batched) for u in closure)
+    return [t for t, closure in closures.items() if not compute_bound(graph, t, batched)
+            and not any(compute_bound(graph, u, batched) for u in closure)
             and (any(makes_matmul(graph, u) for u in closure)
                  or _reads(graph, closure) <= READS_PER_BYTE * graph.tensors[t].bytes)]
 
@@ -234,13 +239,24 @@ def _kept_note(graph: MemGraph, res: Any, remat: Mapping[int, Any], cheap: list[
     kept = [t for t in res.tensors if t not in remat]
     kept_bytes = sum(graph.tensors[t].bytes for t in kept)
     return (f"{len(kept)} residuals kept ({kept_bytes:,} B), {len(cheap)} recomputed without "
-            f"a matmul ({len(remat)} tensors re-issued)")
+            f"a matmul or random bits ({len(remat)} tensors re-issued)")
 
 
 def keep_matmuls_no_batch(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
                           options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
     """Keep matmuls without batch dimensions and convolutions; re-issue the rest."""
     return keep_matmuls(graph, budget_bytes, cost_model, options, batched=False)
+
+
+def compute_bound(graph: MemGraph, tensor: int, batched: bool = True) -> bool:
+    """Whether recomputing ``tensor`` is compute-bound work the plans keep rather than redo:
+    a matmul (:func:`makes_matmul`), or random bits among the values fused into it, whose
+    hash is about a hundred integer ops per element
+    (:data:`jaxmem.analysis.opcost.THREEFRY_OPS_PER_WORD`); a dropout mask computed from
+    them is one byte per element to keep."""
+    return makes_matmul(graph, tensor, batched) or any(
+        (p := graph.tensors[u].producer) is not None and graph.ops[p].primitive in mat.RANDOM_BITS
+        for u in fused_closure(graph, tensor))
 
 
 def makes_matmul(graph: MemGraph, tensor: int, batched: bool = True) -> bool:

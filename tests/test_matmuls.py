@@ -14,8 +14,9 @@ from jaxmem import emit as emit_lib
 from jaxmem.analysis.graph import build_graph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners import _principles
+from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners._shared import find_residuals
-from jaxmem.planners.matmuls import MATMUL_PRIMITIVES
+from jaxmem.planners.matmuls import MATMUL_PRIMITIVES, compute_bound
 from jaxmem.plans import plan as plan_lib
 
 COST = CostModel.for_target("h100")
@@ -55,6 +56,40 @@ def test_recomputes_the_elementwise_residuals_and_keeps_the_matmuls_and_the_stre
     assert plan.predicted_peak_bytes == plan_lib.simulate_plan(g, plan).peak_bytes < plain
     assert plan.status == "ok"
     assert registry.get("keep_matmuls").fn(g, 1024, COST, {}).status == "over_budget"
+
+
+def _dropout_layers_loss(ws, x, key):
+    """Two layers of ``dropout(sin(x @ w))``: a mask and a sine to recompute in each."""
+    for w, k in zip(ws, jax.random.split(key, len(ws))):
+        h = jnp.sin(x @ w)
+        x = jnp.where(jax.random.bernoulli(k, 0.9, h.shape), h / 0.9, 0) @ w.T
+    return jnp.sum(x ** 2)
+
+
+def test_keeps_a_dropout_mask_its_recomputation_would_hash_again():
+    """A dropout mask is kept like a matmul output: re-issued, it hashes its random bits
+    again (about a hundred integer ops per element, estimated as such), where keeping it
+    costs a byte per element. The dropout's outputs are still re-issued (from the kept
+    masks), and the plan that re-issues the masks too is estimated slower by at least the
+    masks' hashing."""
+    ws = [jnp.full((64, 64), 0.01 * (i + 1)) for i in range(2)]
+    args = (ws, jnp.ones((256, 64)), jax.random.PRNGKey(0))
+    g = build_graph(jax.grad(_dropout_layers_loss), *args, target="h100")
+    plan = registry.get("keep_matmuls").fn.__wrapped__(g, 10**9, COST, {})
+    masks = [t for t in find_residuals(g).tensors if compute_bound(g, t)
+             and not any(_producer(g, t) == p for p in MATMUL_PRIMITIVES)]
+    assert len(masks) == 2 and all(g.tensors[t].dtype == np.bool_ for t in masks), masks
+    assert not set(masks) & set(plan.remat), plan.summary()
+    assert {_producer(g, t) for t in plan.remat} == {"select_n"}
+    hashing = sum(o.flops for o in g.ops if o.primitive == "random_bits")
+    assert hashing >= 100 * sum(g.tensors[t].bytes for t in masks)  # about a hundred per word
+    reissued = plan.replace(remat={**plan.remat, **{
+        t: (max(g.tensors[t].consumers),) for t in masks}})
+    assert (estimate_time_s(g, reissued, COST) - estimate_time_s(g, plan, COST)
+            >= hashing / COST.vector_flops_per_s)
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(
+        np.array_equal, jax.jit(emit_lib.emit(g, plan))(*args),
+        jax.jit(jax.grad(_dropout_layers_loss))(*args)))
 
 
 def test_no_batch_variant_recomputes_the_attentions_batched_matmuls():

@@ -112,6 +112,8 @@ _TRANSCENDENTAL = frozenset({
 })
 RNG = frozenset({"random_bits", "rng_bit_generator", "threefry2x32", "random_seed",
                  "random_fold_in", "random_split", "random_wrap", "random_unwrap"})
+# The ops of RNG that make random bits (the others make or derive keys).
+RANDOM_BITS = frozenset({"random_bits", "rng_bit_generator", "threefry2x32"})
 COLLECTIVES = frozenset({"all_reduce", "psum", "all_gather", "reduce_scatter", "all_to_all",
                          "ppermute", "pmax", "pmin"})
 

@@ -84,6 +84,15 @@ def body_flops(jaxpr: jcore.Jaxpr) -> float:
     return float(sum(op_cost(e).flops for e in jaxpr.eqns))
 
 
+# Integer ops of one Threefry-2x32 hash (20 rounds of an add, a rotate -- two shifts and an
+# or -- and a xor, and the key added in six times, two words each), plus the xor that folds
+# its two output words into one: JAX's threefry ``random_bits`` hashes one counter per
+# 32-bit word it returns. XLA counts each as one FLOP per element; a re-issued dropout mask
+# is compute-bound for it, not free (GPT-2 bench: 0.34 ms per attention-dropout mask on
+# an H100).
+THREEFRY_OPS_PER_WORD = 20 * 5 + 6 * 2 + 1
+
+
 def _flops(eqn: jcore.JaxprEqn) -> float:
     name = eqn.primitive.name
     # (Any: ShapedArrays, which JAX types as the base AbstractValue)
@@ -104,6 +113,11 @@ def _flops(eqn: jcore.JaxprEqn) -> float:
         return trip_count(eqn) * sum(body_flops(b) for b in bodies)
     if name == "cond":
         return max((body_flops(b.jaxpr) for b in eqn.params["branches"]), default=0.0)
+    if name == "random_bits" and _compat.is_threefry_key(ins[0].dtype):
+        words = _size(outs[0]) * max(eqn.params.get("bit_width", 32) // 32, 1)
+        return float(THREEFRY_OPS_PER_WORD * words)
+    if name == "threefry2x32":  # one hash per pair of output words
+        return float(THREEFRY_OPS_PER_WORD * _size(outs[0]))
     if name in mat.LAYOUT and name not in ("gather",):
         return 0.0
     if name.startswith("reduce") or name.startswith("cum") or name.startswith("arg"):

@@ -57,6 +57,7 @@ from typing import Any, Literal, Mapping
 import numpy as np
 
 from jaxmem import targets as _targets
+from jaxmem.analysis import materialize as mat
 from jaxmem.cost.hlo import ModuleCost, OpCost
 
 Direction = Literal["d2h", "h2d"]
@@ -280,10 +281,14 @@ class CostModel:
     def graph_op_time_s(self, graph: Any, op: int, dtype: Any = None) -> float:
         """Time of op ``op`` of ``graph``: its measured time when the model carries
         :attr:`op_times`, otherwise its roofline time in ``dtype``, by default the
-        dtype of its first floating-point input."""
+        dtype of its first floating-point input. Elementwise arithmetic and random bits
+        run at the vector rate, as :meth:`instruction_time_s` prices a compiled instruction
+        (it decides the time of a compute-bound one, such as hashing random bits)."""
         if self.op_times is not None:
             return self.op_times.times_s[op]
         o = graph.ops[op]
+        if o.primitive in mat.ELEMENTWISE or o.primitive in mat.RNG:
+            return max(o.flops / self.vector_flops_per_s, o.bytes_accessed / self.hbm_bytes_per_s)
         if dtype is None:
             dtype = "float32"
             for t in o.inputs:
@@ -292,6 +297,11 @@ class CostModel:
                     dtype = dt.name
                     break
         return self.op_time_s(o.flops, o.bytes_accessed, dtype)
+
+    def graph_op_compute_s(self, graph: Any, op: int) -> float:
+        """Arithmetic time alone of elementwise op ``op`` of ``graph`` (a fused value XLA
+        computes again inside its readers: it moves no bytes of its own)."""
+        return graph.ops[op].flops / self.vector_flops_per_s
 
     def copy_time_s(self, nbytes: float, direction: Direction) -> float:
         """Time to move ``nbytes`` over the host link in ``direction`` (``"d2h"`` or ``"h2d"``)."""
