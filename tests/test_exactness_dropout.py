@@ -143,12 +143,12 @@ def test_a_reissued_dropout_mask_is_left_to_xla_where_it_is_made():
     """Re-issuing a dropout mask for the backward pass leaves its forward copy one reader.
 
     A first copy left with one reader is kept a buffer (a barrier alone on it), so that
-    XLA does not fuse it into that reader and a sum there add in another order. A mask
-    is computed exactly wherever XLA computes it; barriered, GPT-2's attention-dropout
-    masks and their random bits were written out in the forward pass (24 GiB more traffic
-    a step at bench size on h100), where jax.checkpoint's recompute hashes the bits inside
-    the dropout's select. The mask's first copy goes through no barrier, and
-    the step keeps its bits.
+    XLA does not fuse it into that reader, where a sum could then add in another order.
+    A mask is computed exactly wherever XLA computes it; barriered, GPT-2's
+    attention-dropout masks and their random bits were written out in the forward pass
+    (24 GiB more traffic a step at bench size on h100), where jax.checkpoint's recompute
+    hashes the bits inside the dropout's select. The mask's first copy goes through no
+    barrier, and the step keeps its bits.
     """
     step, args = _attention_dropout()
     g = build_graph(step, *args, target="cpu")
