@@ -163,10 +163,6 @@ def without_constant_decisions(graph: Any, plan: plan_lib.Plan, cost_model: Any
                             f"would change the arithmetic around them"))
 
 
-# A random mask's source (see :func:`masked_sums`).
-_RANDOM_BITS = mat.RANDOM_BITS
-
-
 def masked_sums(graph: Any) -> frozenset[int]:
     """Values that apply a random mask (dropout) and that a reduction reads.
 
@@ -187,7 +183,7 @@ def masked_sums(graph: Any) -> frozenset[int]:
     constant = constant_tensors(graph)
     masks: set[int] = set()  # random bits, and what XLA fuses from them and constants alone
     for op in ops:  # jaxpr order: an op's inputs are decided before it
-        if op.primitive in _RANDOM_BITS or (
+        if op.primitive in mat.RANDOM_BITS or (
                 is_fusible(op.primitive) and any(t in masks for t in op.inputs)
                 and all(t in masks or t in constant for t in op.inputs)):
             masks.update(op.outputs)

@@ -288,7 +288,7 @@ class CostModel:
             return self.op_times.times_s[op]
         o = graph.ops[op]
         if o.primitive in mat.ELEMENTWISE or o.primitive in mat.RNG:
-            return max(o.flops / self.vector_flops_per_s, o.bytes_accessed / self.hbm_bytes_per_s)
+            return max(self.graph_op_compute_s(graph, op), o.bytes_accessed / self.hbm_bytes_per_s)
         if dtype is None:
             dtype = "float32"
             for t in o.inputs:
