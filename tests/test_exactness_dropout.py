@@ -162,3 +162,43 @@ def test_a_reissued_dropout_mask_is_left_to_xla_where_it_is_made():
              and all(v.aval.dtype == np.bool_ for v in e.invars)]
     assert not alone, f"the mask's first copy is kept a buffer: {alone}"
     assert _bitwise(jax.jit(emit.emit(g, plan))(*args), jax.jit(step)(*args))
+
+
+def _residual_dropout():
+    """GPT-2's MLP output: a matmul plus bias with dropout, added to the residual stream."""
+    def loss(w1, w2, b2, x, key):
+        y = jax.nn.gelu(x @ w1) @ w2 + b2
+        y = jnp.where(jax.random.bernoulli(key, 0.9, y.shape), y / 0.9, 0)
+        return jnp.sum((x + y) ** 2)
+
+    rng = np.random.default_rng(0)
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape).astype(np.float32) / 6)
+    args = (normal(256, 512), normal(512, 256), normal(256), normal(4, 256, 256),
+            jax.random.PRNGKey(0))
+    return jax.grad(loss, argnums=(0, 1, 2)), args
+
+
+def test_a_tie_leaves_the_dropout_gradient_one_value_for_all_its_readers():
+    """The dropout's gradient ``select(mask, g, 0) / 0.9`` is read by the bias gradient's
+    sum, then by two matmuls. A re-issue before the first matmul ties one of its inputs;
+    tied at the select, where the division's chain starts, the division was computed
+    again for the matmuls and the first copy was left to the sum alone: XLA:CPU fused it
+    into the sum's YNN fusion, and 108 of the bias gradient's 256 elements changed bits
+    (GPT-2 small, ``blocks`` at 20%: every layer's ``mlp_out`` bias). A value an issued op
+    has read is tied itself."""
+    step, args = _residual_dropout()
+    g = build_graph(step, *args, target="cpu")
+    (grad,) = [t for t in g.tensors if t.producer is not None and len(t.consumers) == 3
+               and g.ops[t.producer].primitive == "div"]
+    readers = [g.ops[c].primitive for c in sorted(grad.consumers)]
+    assert readers == ["reduce_sum", "dot_general", "dot_general"], readers
+    hidden = min(t.id for t in g.tensors if t.producer is not None and t.shape == (4, 256, 512)
+                 and g.ops[t.producer].primitive == "dot_general")  # the forward one
+    plan = plan_lib.unplanned(g).replace(remat={hidden: (sorted(grad.consumers)[1],)})
+
+    def divisions(fn) -> int:
+        return sum(e.primitive.name == "div" and e.outvars[0].aval.shape == grad.shape
+                   for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns)
+    assert divisions(emit.emit(g, plan)) == divisions(step), "the dropout gradient is split"
+    assert _bitwise(jax.jit(emit.emit(g, plan))(*args), jax.jit(step)(*args))

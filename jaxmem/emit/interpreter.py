@@ -181,6 +181,7 @@ class _Interpreter(_FusionRules):
         self._issued: dict[tuple[int, tuple[int, ...]], tuple[list[Any], list[Any]]] = {}
         self._next_version = view.n_tensors + len(self.schedule.tensor_of)
         env: dict[int, Any] = dict(enumerate(flat_args))
+        self._env, self._read_values = env, {}
         host: dict[int, Any] = {}
         # Placed inputs live in host memory until their first reader (``env`` holds
         # the host value until then: it may pass through barriers as a host value).
@@ -537,6 +538,8 @@ class _Interpreter(_FusionRules):
                 invals.append(self._atom(op, slot, r, env))
             if (op, slot) in self.hidden:
                 invals[-1] = _call_parameter(invals[-1])
+            elif r is not None:
+                self._note_read(r, invals[-1], op)
         # An equation issued again on the very values it read before computes the value
         # it computed then: a fused value the schedule recomputes for a later reader
         # reads the first one, as the plain step's readers do. A copy of the equation
@@ -602,25 +605,29 @@ class _Interpreter(_FusionRules):
         reduction, a two-operand op, an input) are taken when some input has
         one; otherwise each of ``fallback`` is tied at its :meth:`_tie_point`.
         A delay tie (holding a copy back until the op's inputs exist) must be a
-        computed value: a program input exists from the start.
+        computed value: a program input exists from the start; it may be a value an
+        issued op has read, tied itself (:meth:`_read_already`).
         """
         def clean(walks: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
-            return [w for w in walks if self._opaque(w[0]) and not self._constant(w[0])
+            return [w for w in walks if not self._constant(w[0])
+                    and (self._opaque(w[0]) or delay and self._read_already(w[0]))
                     and not self._folded_into_reader(w[0])
                     and not (delay and self._tensor(w[0]) < self.view.n_inputs)]
 
-        usual = [self._tie_point(r, unfetched) for r in fallback]
+        def walk(r: int, buffers_only: bool = True) -> tuple[int, list[int]]:
+            return self._tie_point(r, unfetched, buffers_only, keep_read=delay)
+
+        usual = [walk(r) for r in fallback]
         # A delay tie must hold the copy back as long as the usual ties do: until the
         # newest value they are computed from (through their chains) is computed.
-        due = max((self.issued_at.get(self._tie_point(r, unfetched, buffers_only=False)[0], -1)
-                   for r in fallback), default=-1) if delay else -1
-        buffers = [w for w in clean([self._tie_point(r, unfetched) for r in reads])
-                   if self._real(w[0])]
+        due = max((self.issued_at.get(walk(r, False)[0], -1) for r in fallback),
+                  default=-1) if delay else -1
+        buffers = [w for w in clean([walk(r) for r in reads]) if self._real(w[0])]
         if buffers and max(self.issued_at.get(w[0], -1) for w in buffers) >= due:
             return buffers
         # A fused value as tie point becomes a buffer: take the smallest one.
-        fused = [w for w in clean([self._tie_point(r, unfetched, buffers_only=False)
-                                   for r in reads]) if self.issued_at.get(w[0], -1) >= due]
+        fused = [w for w in clean([walk(r, False) for r in reads])
+                 if self.issued_at.get(w[0], -1) >= due]
         if fused:
             return [min(fused, key=lambda w: self.nbytes[self._tensor(w[0])])]
         return usual
