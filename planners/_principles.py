@@ -70,7 +70,6 @@ from jaxmem.analysis import materialize as mat
 from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners._folding import (
     constant_tensors,
-    resimulated,
     with_scaled_operands,
     without_copied_double_scalings,
     without_reissues,
@@ -136,31 +135,16 @@ def without_key_reissues(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
         "a key is a few bytes, and its re-issue moves where XLA computes the random bits")
 
 
-def without_constant_decisions(graph: Any, plan: plan_lib.Plan, cost_model: Any
-                               ) -> plan_lib.Plan:
+def without_constant_decisions(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
     """``plan`` without host copies of :func:`constant_tensors` and re-issues of those that
     are buffers (``Tensor.materialized``), re-simulated."""
     constant = constant_tensors(graph)
-    buffers = {t for t in plan.remat if t in constant and graph.tensors[t].materialized}
-    dropped = sorted((set(plan.offload) & constant) | buffers)
-    if not dropped:
-        return plan
-
-    kept = plan.replace(offload={t: p for t, p in plan.offload.items() if t not in constant},
-                        remat={t: p for t, p in plan.remat.items() if t not in buffers})
-    peak, status = resimulated(graph, kept)
-    time_s = plan.predicted_time_s
-    if cost_model is not None and time_s is not None:
-        time_s = estimate_time_s(graph, kept, cost_model)
-    names = ", ".join(f"t{t}" for t in dropped[:8]) + (", ..." if len(dropped) > 8 else "")
-    logger.info("%s: dropped the decisions on %d values computed from constants only (%s)",
-                plan.planner, len(dropped), names)
-    return kept.replace(
-        predicted_peak_bytes=peak, predicted_time_s=time_s, status=status,
-        notes=(*plan.notes, f"dropped the re-issues and host copies of {len(dropped)} "
-                            f"value{'s' if len(dropped) > 1 else ''} computed from constants only "
-                            f"({names}): XLA folds them at compile time, and a barrier or copy "
-                            f"would change the arithmetic around them"))
+    return without_reissues(
+        graph, plan, sorted(t for t in plan.remat if t in constant
+                            and graph.tensors[t].materialized),
+        "values computed from constants only",
+        "XLA folds them at compile time, and a barrier or copy would change the arithmetic "
+        "around them", host_copies=sorted(set(plan.offload) & constant))
 
 
 def masked_sums(graph: Any) -> frozenset[int]:
@@ -483,15 +467,19 @@ def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool =
     """``plan`` under the rules of the module docstring that follow planning: no decision on
     constants, no re-issued key; under ``bitwise``, no re-issued masked sum, the scaled
     operands added, no re-issued copy XLA:CPU fuses into re-issued readers, and no re-issued
-    reduction XLA:CPU would compute elsewhere than the plain step."""
-    plan = without_key_reissues(graph, without_constant_decisions(graph, plan, cost_model))
-    if not bitwise:
-        return plan
-    plan = without_masked_sums(graph, plan)
-    plan = with_scaled_operands(graph, plan)
-    plan = without_copied_double_scalings(graph, plan)
-    plan = without_refused_fused_copies(graph, plan)
-    return without_refused_reductions(graph, plan)
+    reduction XLA:CPU would compute elsewhere than the plain step. A plan a rule changed
+    is estimated again (its ``predicted_time_s``, where it had one)."""
+    exact = without_key_reissues(graph, without_constant_decisions(graph, plan))
+    if bitwise:
+        exact = without_masked_sums(graph, exact)
+        exact = with_scaled_operands(graph, exact)
+        exact = without_copied_double_scalings(graph, exact)
+        exact = without_refused_fused_copies(graph, exact)
+        exact = without_refused_reductions(graph, exact)
+    changed = exact.remat != plan.remat or exact.offload != plan.offload
+    if changed and cost_model is not None and plan.predicted_time_s is not None:
+        exact = exact.replace(predicted_time_s=estimate_time_s(graph, exact, cost_model))
+    return exact
 
 
 def principled(name: str, fn: Callable[..., plan_lib.Plan],

@@ -301,8 +301,7 @@ def _heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: CpsatOptio
             # over the budget already (no second simulation of it per heuristic).
             assert entry.fn is not None  # (a planner: only a peer has no function)
             fn = getattr(entry.fn, "__wrapped__", entry.fn)
-            plan = without_constant_decisions(graph, fn(graph, budget_bytes, cost_model, sub),
-                                              cost_model)
+            plan = without_constant_decisions(graph, fn(graph, budget_bytes, cost_model, sub))
         except Exception as err:  # a failing heuristic must not sink the solver: report it
             notes.append(f"heuristic {name!r} failed: {type(err).__name__}: {err}")
             logger.warning("cpsat: heuristic planner %r failed (%s: %s); continuing without it",

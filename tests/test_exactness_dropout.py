@@ -22,7 +22,9 @@ import pytest
 import jaxmem
 from jaxmem import emit
 from jaxmem.analysis.graph import build_graph
-from jaxmem.planners import _principles
+from jaxmem.cost.costmodel import CostModel
+from jaxmem.planners import _principles, _registry as registry
+from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.plans import plan as plan_lib
 
 
@@ -124,6 +126,28 @@ def test_no_plan_reissues_a_prng_key():
         remat={t: (max(g.tensors[t].consumers),) for t in keys})
     kept = _principles.made_exact(g, reissued, cost_model=None)
     assert not kept.remat and any("PRNG keys" in note for note in kept.notes), kept.notes
+
+
+def test_a_plan_a_rule_changed_is_estimated_again():
+    """The registry's rules drop decisions after a planner returns (here a key's
+    re-issue); the plan's estimated time is then that of what is left, not the planner's
+    figure for the plan it returned."""
+    step, args = _equinox_style()
+    g = build_graph(step, *args, target="cpu")
+    keys = sorted(t for t in _principles.key_tensors(g) if g.tensors[t].consumers)
+    cpu = CostModel.for_target("cpu")
+
+    def reissues_the_keys(graph, budget_bytes, cost_model, options):
+        return plan_lib.unplanned(graph, planner="test_keys", budget_bytes=budget_bytes).replace(
+            remat={t: (max(g.tensors[t].consumers),) for t in keys}, predicted_time_s=1.0)
+
+    registry.register("test_keys", reissues_the_keys)
+    try:
+        plan = registry.get("test_keys").fn(g, _peak(g) // 2, cpu, {})
+    finally:
+        registry._ENTRIES.pop("test_keys")
+    assert not plan.remat, plan.summary()
+    assert plan.predicted_time_s == estimate_time_s(g, plan, cpu) != 1.0
 
 
 def _attention_dropout():
