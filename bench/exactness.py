@@ -7,7 +7,8 @@ the GPU's fusions, as a user with a GPU gets them) at ``FRACTION`` (default 0.5)
 of its simulated peak with every planner, runs the emitted step and the plain
 step on the CPU, and
 prints per planner ``exact`` or how many output leaves differ and by how much,
-with the plan's shape: ``r`` re-issued tensors, ``o`` offloaded, ``m`` moved ops.
+with the plan's shape: ``r`` re-issued tensors, ``o`` offloaded, ``m`` moved ops,
+one line per model (its name, size and fraction first).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             moved = sum(op != i for i, op in enumerate(plan.order))
             verdict = "exact" if not diffs else f"DIFF({len(diffs)} leaves, max {max(diffs):.1e})"
             cells.append(f"{name}={verdict}[r{len(plan.remat)}/o{len(plan.offload)}/m{moved}]")
-        print(model, " ".join(cells), flush=True)
+        print(f"{model} {size} {fraction:.0%}:", " ".join(cells), flush=True)
     return 1 if failures else 0
 
 
