@@ -538,8 +538,8 @@ class _Interpreter(_FusionRules):
                 invals.append(self._atom(op, slot, r, env))
             if (op, slot) in self.hidden:
                 invals[-1] = _call_parameter(invals[-1])
-            elif r is not None:
-                self._note_read(r, invals[-1], op)
+            elif r is not None:  # (see _read_already)
+                self._read_values[r] = invals[-1]
         # An equation issued again on the very values it read before computes the value
         # it computed then: a fused value the schedule recomputes for a later reader
         # reads the first one, as the plain step's readers do. A copy of the equation
@@ -610,7 +610,7 @@ class _Interpreter(_FusionRules):
         """
         def clean(walks: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
             return [w for w in walks if not self._constant(w[0])
-                    and (self._opaque(w[0]) or delay and self._read_already(w[0]))
+                    and (self._opaque(w[0]) or delay and not w[1] and self._read_already(w[0]))
                     and not self._folded_into_reader(w[0])
                     and not (delay and self._tensor(w[0]) < self.view.n_inputs)]
 

@@ -42,8 +42,8 @@ class _FusionRules:
     _constants: dict[int, bool]
     _folding_readers: set[int] | None
     _reader_lists: list[list[int]] | None
-    # version -> the value of it issued equations read last, and their ops; the run's values
-    _read_values: dict[int, tuple[Any, set[int]]]
+    # version -> the value of it an issued equation read last; the run's values
+    _read_values: dict[int, Any]
     _env: dict[int, Any]
 
     @staticmethod
@@ -415,19 +415,18 @@ class _FusionRules:
           unfetched: placed inputs still in host memory (never walked into).
           buffers_only: stop at the highest value of the chain that XLA
             allocates (``False``: at the chain's start, even a fused value).
-          keep_read: stop at a value an issued op has already read
-            (:meth:`_read_already`), which is then tied itself.
+          keep_read: tie ``version`` itself if an issued op has already read it
+            (:meth:`_read_already`).
 
         Returns:
           The tie point and the versions from it down to ``version`` to re-issue.
         """
+        if keep_read and self._read_already(version):
+            return version, []
         walked: list[int] = []
         top, below = version, 0
         v = version
         while True:
-            if keep_read and self._read_already(v, walked):
-                top, below = v, len(walked)
-                break
             up = self._operand_if_transparent(v)
             if (up is None or up in unfetched
                     or self.nbytes[self._tensor(up)] > self.nbytes[self._tensor(version)]
@@ -439,16 +438,9 @@ class _FusionRules:
                 top, below = v, len(walked)
         return top, walked[:below][::-1]
 
-    def _note_read(self, version: int, value: Any, op: int) -> None:
-        """Record that ``op`` was issued on ``value`` as ``version`` (see :meth:`_read_already`)."""
-        read = self._read_values.get(version)
-        if read is None or read[0] is not value:
-            self._read_values[version] = read = (value, set())
-        read[1].add(op)
-
-    def _read_already(self, version: int, chain: Sequence[int] = ()) -> bool:
-        """Whether an issued op other than those making ``chain`` read ``version`` as it is
-        now, and a recomputed copy of it would round: a tie above it would split its readers.
+    def _read_already(self, version: int) -> bool:
+        """Whether an issued op read ``version`` as it is now, and a recomputed copy of it
+        would round: a tie above it would split its readers.
 
         The earlier reader keeps the first copy and the op the tie orders reads a
         copy recomputed after the barrier. A value two ops or more read is a buffer
@@ -456,14 +448,12 @@ class _FusionRules:
         instead (GPT-2's dropout gradient ``g * mask / 0.9``, read by the bias
         gradient's sum and two matmuls: tied at the mask's select for the weight
         gradient's matmul, the division went into the YNN fusion of the sum, whose
-        bits changed). A delay tie, which any input of the op will do, ties such a
-        value itself. (Not an order tie that must sit at the start of a chain of
+        bits changed). A delay tie, which any input of the op will do, ties such an
+        input itself. (Not an order tie that must sit at the start of a chain of
         constant scalings, which the simplifier folds into a matmul that reads it
         whatever its other readers, nor a host copy's, whose prefetch recomputes the
         chain for the later readers only.)
         """
         read = self._read_values.get(version)
-        chain_ops = {_event_op(self.made_by[w]) for w in chain if w in self.made_by}
-        return (read is not None and read[0] is self._env.get(version)
-                and bool(read[1] - chain_ops) and not self._layout(version)
-                and _rounds(self.avals[self._tensor(version)]))
+        return (read is not None and read is self._env.get(version)
+                and not self._layout(version) and _rounds(self.avals[self._tensor(version)]))
