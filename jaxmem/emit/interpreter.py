@@ -605,17 +605,17 @@ class _Interpreter(_FusionRules):
         reduction, a two-operand op, an input) are taken when some input has
         one; otherwise each of ``fallback`` is tied at its :meth:`_tie_point`.
         A delay tie (holding a copy back until the op's inputs exist) must be a
-        computed value: a program input exists from the start; it may be a value an
-        issued op has read, tied itself (:meth:`_read_already`).
+        computed value: a program input exists from the start; nor one that re-issues
+        an input an issued op has read (:meth:`_read_already`).
         """
         def clean(walks: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
-            return [w for w in walks if not self._constant(w[0])
-                    and (self._opaque(w[0]) or delay and not w[1] and self._read_already(w[0]))
+            return [w for w in walks if self._opaque(w[0]) and not self._constant(w[0])
                     and not self._folded_into_reader(w[0])
-                    and not (delay and self._tensor(w[0]) < self.view.n_inputs)]
+                    and not (delay and self._tensor(w[0]) < self.view.n_inputs)
+                    and not (delay and w[1] and self._read_already(w[1][-1]))]
 
         def walk(r: int, buffers_only: bool = True) -> tuple[int, list[int]]:
-            return self._tie_point(r, unfetched, buffers_only, keep_read=delay)
+            return self._tie_point(r, unfetched, buffers_only)
 
         usual = [walk(r) for r in fallback]
         # A delay tie must hold the copy back as long as the usual ties do: until the

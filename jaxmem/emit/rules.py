@@ -396,8 +396,8 @@ class _FusionRules:
             return None
         return reads[0]
 
-    def _tie_point(self, version: int, unfetched: set[int], buffers_only: bool = True,
-                   keep_read: bool = False) -> tuple[int, list[int]]:
+    def _tie_point(self, version: int, unfetched: set[int],
+                   buffers_only: bool = True) -> tuple[int, list[int]]:
         """Where an order tie for ``version`` goes: ``(tied version, chain to re-issue)``.
 
         XLA's algebraic simplifier rewrites a value together with the layout and
@@ -415,14 +415,10 @@ class _FusionRules:
           unfetched: placed inputs still in host memory (never walked into).
           buffers_only: stop at the highest value of the chain that XLA
             allocates (``False``: at the chain's start, even a fused value).
-          keep_read: tie ``version`` itself if an issued op has already read it
-            (:meth:`_read_already`).
 
         Returns:
           The tie point and the versions from it down to ``version`` to re-issue.
         """
-        if keep_read and self._read_already(version):
-            return version, []
         walked: list[int] = []
         top, below = version, 0
         v = version
@@ -440,7 +436,7 @@ class _FusionRules:
 
     def _read_already(self, version: int) -> bool:
         """Whether an issued op read ``version`` as it is now, and a recomputed copy of it
-        would round: a tie above it would split its readers.
+        would round: a tie that re-issues it would split its readers.
 
         The earlier reader keeps the first copy and the op the tie orders reads a
         copy recomputed after the barrier. A value two ops or more read is a buffer
@@ -448,11 +444,11 @@ class _FusionRules:
         instead (GPT-2's dropout gradient ``g * mask / 0.9``, read by the bias
         gradient's sum and two matmuls: tied at the mask's select for the weight
         gradient's matmul, the division went into the YNN fusion of the sum, whose
-        bits changed). A delay tie, which any input of the op will do, ties such an
-        input itself. (Not an order tie that must sit at the start of a chain of
-        constant scalings, which the simplifier folds into a matmul that reads it
-        whatever its other readers, nor a host copy's, whose prefetch recomputes the
-        chain for the later readers only.)
+        bits changed). A delay tie, which any input of the op will do, takes none
+        that re-issues such an input. (Not an order tie that must sit at the start of a
+        chain the simplifier rewrites whole, nor a host copy's, whose prefetch
+        recomputes the chain for the later readers only; a tie on the read input itself
+        stops the simplifier folding a product's constant scalings together.)
         """
         read = self._read_values.get(version)
         return (read is not None and read is self._env.get(version)
