@@ -209,8 +209,8 @@ def test_a_tie_leaves_the_dropout_gradient_one_value_for_all_its_readers():
     tied at the select, where the division's chain starts, the division was computed
     again for the matmuls and the first copy was left to the sum alone: XLA:CPU fused it
     into the sum's YNN fusion, and 108 of the bias gradient's 256 elements changed bits
-    (GPT-2 small, ``blocks`` at 20%: every layer's ``mlp_out`` bias). A value an issued op
-    has read is tied itself."""
+    (GPT-2 small, ``blocks`` at 20%: every layer's ``mlp_out`` bias). A delay tie takes no
+    walk that re-issues an input an issued op has read."""
     step, args = _residual_dropout()
     g = build_graph(step, *args, target="cpu")
     (grad,) = [t for t in g.tensors if t.producer is not None and len(t.consumers) == 3
