@@ -614,20 +614,18 @@ class _Interpreter(_FusionRules):
                     and not (delay and self._tensor(w[0]) < self.view.n_inputs)
                     and not (delay and w[1] and self._read_already(w[1][-1]))]
 
-        def walk(r: int, buffers_only: bool = True) -> tuple[int, list[int]]:
-            return self._tie_point(r, unfetched, buffers_only)
-
-        usual = [walk(r) for r in fallback]
+        usual = [self._tie_point(r, unfetched) for r in fallback]
         # A delay tie must hold the copy back as long as the usual ties do: until the
         # newest value they are computed from (through their chains) is computed.
-        due = max((self.issued_at.get(walk(r, False)[0], -1) for r in fallback),
-                  default=-1) if delay else -1
-        buffers = [w for w in clean([walk(r) for r in reads]) if self._real(w[0])]
+        due = max((self.issued_at.get(self._tie_point(r, unfetched, buffers_only=False)[0], -1)
+                   for r in fallback), default=-1) if delay else -1
+        buffers = [w for w in clean([self._tie_point(r, unfetched) for r in reads])
+                   if self._real(w[0])]
         if buffers and max(self.issued_at.get(w[0], -1) for w in buffers) >= due:
             return buffers
         # A fused value as tie point becomes a buffer: take the smallest one.
-        fused = [w for w in clean([walk(r, False) for r in reads])
-                 if self.issued_at.get(w[0], -1) >= due]
+        fused = [w for w in clean([self._tie_point(r, unfetched, buffers_only=False)
+                                   for r in reads]) if self.issued_at.get(w[0], -1) >= due]
         if fused:
             return [min(fused, key=lambda w: self.nbytes[self._tensor(w[0])])]
         return usual
