@@ -16,7 +16,9 @@ and compiling, and measuring), the accepted plan's own account: ``plan_lower_bou
 ``plan_gap`` and ``plan_bound_unit`` (the solver's bound and gap), ``plan_source``,
 ``plan_fallback_reason`` and ``plan_solver_status`` (who made the plan, why a
 fallback, the solver's status: :class:`jaxmem.plans.plan.Plan`),
-``plan_predicted_peak_bytes`` and ``plan_notes`` (for people),
+``plan_predicted_peak_bytes``, ``plan_predicted_time_s`` (the planners' estimate),
+``plan_time_bound_s`` (no plan that fits is estimated faster: :mod:`jaxmem.planners._bound`)
+and ``plan_notes`` (for people),
 ``cpu_error``. ``solve_time_s`` is the wall time of every planner call of the
 verify loop. ``grads_match`` compares all outputs of the step (loss and
 gradients, or loss and the updated train state) bit for bit with ``none``'s
@@ -328,7 +330,8 @@ def _record(model: str, planner: str, kind: str, budget: Budget, budget_bytes: i
 def _plan_fields(plan: Any) -> dict[str, Any]:
     """What the accepted plan says of itself: the solver's bound and gap (on the planner's
     objective, in ``plan_bound_unit``), who made it and why a fallback, its simulated
-    peak, and its notes (for people); ``None`` where no plan was accepted."""
+    peak, its estimated time and the bound on every plan's, and its notes (for people);
+    ``None`` where no plan was accepted."""
     return {"plan_lower_bound": getattr(plan, "lower_bound", None),
             "plan_gap": getattr(plan, "gap", None),
             "plan_bound_unit": getattr(plan, "bound_unit", None),
@@ -336,6 +339,8 @@ def _plan_fields(plan: Any) -> dict[str, Any]:
             "plan_fallback_reason": getattr(plan, "fallback_reason", None),
             "plan_solver_status": getattr(plan, "solver_status", None),
             "plan_predicted_peak_bytes": getattr(plan, "predicted_peak_bytes", None),
+            "plan_predicted_time_s": getattr(plan, "predicted_time_s", None),
+            "plan_time_bound_s": getattr(plan, "time_bound_s", None),
             "plan_notes": None if plan is None else list(getattr(plan, "notes", ()))}
 
 

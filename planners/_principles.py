@@ -67,6 +67,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from jaxmem.analysis import materialize as mat
+from jaxmem.planners._bound import TimeBound, time_bound
 from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners._folding import (
     constant_tensors,
@@ -101,9 +102,10 @@ def fits_as_written(graph: Any, name: str, budget_bytes: int, cost_model: Any,
 
     logger.info("%s: the step as written fits (%d B simulated, budget %d B); no decisions",
                 name, peak, budget_bytes)
+    time_s = None if cost_model is None else estimate_time_s(graph, plain, cost_model)
     return plain.replace(
         predicted_peak_bytes=peak, status="ok", solve_time_s=time.perf_counter() - started,
-        predicted_time_s=None if cost_model is None else estimate_time_s(graph, plain, cost_model),
+        predicted_time_s=time_s, time_bound_s=time_s,
         notes=(f"the step as written fits: {peak / _MiB:,.2f} MiB simulated against a budget of "
                f"{budget_bytes / _MiB:,.2f} MiB; returned unplanned (no re-issue, copy or "
                f"reordering)",))
@@ -482,6 +484,24 @@ def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool =
     return exact
 
 
+def bound_for(graph: Any, budget_bytes: int, cost_model: Any, options: Mapping[str, Any],
+              bitwise: bool) -> TimeBound:
+    """:func:`~jaxmem.planners._bound.time_bound` over the plans the rules above let a
+    planner return under ``options``: no constant re-issued or copied, no key re-issued,
+    under ``bitwise`` no masked sum re-issued. In a verify loop's re-plan the bound is
+    taken at the user's budget (``verify_budget_bytes``), which every candidate serves."""
+    constant = constant_tensors(graph)
+    never = constant | key_tensors(graph) | (masked_sums(graph) if bitwise else frozenset())
+    host = options.get("host_budget_bytes")
+    return time_bound(
+        graph, int(options.get("verify_budget_bytes") or budget_bytes), cost_model,
+        allow_remat=bool(options.get("allow_remat", True)),
+        allow_offload=bool(options.get("allow_offload", True)),
+        allow_state_offload=bool(options.get("allow_state_offload", False)),
+        host_budget_bytes=None if host is None else int(host),
+        never_reissued=never, never_copied=constant)
+
+
 def principled(name: str, fn: Callable[..., plan_lib.Plan],
                options_class: type[PlannerOptions] | None) -> Callable[..., Any]:
     """``fn`` under the rules of the module docstring; the options a call passes are checked
@@ -500,9 +520,13 @@ def principled(name: str, fn: Callable[..., plan_lib.Plan],
         if plain is not None:
             return plain
         plan = fn(graph, budget_bytes, cost_model, options)
+        bitwise = bool((options or {}).get("bitwise", True))
+        bound = (None if cost_model is None else
+                 bound_for(graph, budget_bytes, cost_model, options or {}, bitwise))
 
         def exact(p: plan_lib.Plan) -> plan_lib.Plan:
-            return made_exact(graph, p, cost_model, bool((options or {}).get("bitwise", True)))
+            p = made_exact(graph, p, cost_model, bitwise)
+            return p if bound is None else p.replace(time_bound_s=bound.time_s)
 
         return exact(plan).replace(alternatives=tuple(exact(a) for a in plan.alternatives))
 

@@ -84,6 +84,19 @@ def test_report_counts_the_points_and_names_fallbacks(tmp_path, capsys):
     assert "Monotone: yes." in text
 
 
+def test_report_gives_each_points_bound_and_gap():
+    """The bound column reads ``plan_time_bound_s`` against the planners' estimate of the
+    kept plan; points without a bound say so, and the summary line counts the gaps."""
+    records = [*PEERS, rec("cpsat", 600, "ok", 590, 10.9, plan_predicted_time_s=0.010,
+                           plan_time_bound_s=0.0098),
+               rec("cpsat", 500, "ok", 490, 13.5, plan_predicted_time_s=0.010,
+                   plan_time_bound_s=0.009),
+               rec("cpsat", 450, "ok", 440, 14.0)]
+    text = acceptance.report(records, fixed=lambda *key: 100 * MiB)
+    assert "| 9.80 (2.0%) |" in text and "| 9.00 (10.0%) |" in text
+    assert "Bounded: 2 of 3 planned points; gap at most 5% at 1, largest 10.0%." in text
+
+
 def test_a_plan_simulated_over_and_compiled_under_and_program_order_are_named():
     """The planner said over_budget (the verify loop then says ok): the kept plan is the
     lowest-peak candidate, its source (U-Net at its smallest feasible budget)."""

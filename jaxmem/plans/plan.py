@@ -171,6 +171,10 @@ class Plan:
         model for ``cpsat``, which minimizes time under the budget.
       gap: relative gap between the planner's objective value and ``lower_bound``.
       bound_unit: ``"bytes"`` or ``"s"``, what ``lower_bound`` measures.
+      time_bound_s: no plan whose simulated peak fits the budget is estimated faster
+        (seconds; :mod:`jaxmem.planners._bound`), whoever planned it; ``None`` where
+        none was computed or where no plan fits at all. :attr:`time_gap` compares it
+        with ``predicted_time_s``.
       block_decisions: for steps whose repeated blocks use :func:`jaxmem.remat`
         (or ``planned_policy()``), residual name -> ``"save"`` / ``"remat"`` /
         ``"offload"`` inside those blocks (:meth:`to_policy`); empty otherwise.
@@ -222,6 +226,7 @@ class Plan:
     fallback_reason: str = ""
     solver_status: str = ""
     candidates: tuple[Candidate, ...] = ()
+    time_bound_s: float | None = None
     graph: Any = dataclasses.field(default=None, compare=False, repr=False)
     alternatives: tuple["Plan", ...] = dataclasses.field(default=(), compare=False, repr=False)
 
@@ -281,6 +286,7 @@ class Plan:
             "source": self.source, "fallback_reason": self.fallback_reason,
             "solver_status": self.solver_status,
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
+            "time_bound_s": self.time_bound_s,
         }
 
     def to_json(self) -> str:
@@ -314,6 +320,7 @@ class Plan:
             data.setdefault("fallback_reason", "")
             data.setdefault("solver_status", "")
             data.setdefault("candidates", [])
+            data.setdefault("time_bound_s", None)
         if not isinstance(data, dict) or set(data) != fields:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"not a jaxmem plan: expected a JSON object with keys "
@@ -323,6 +330,14 @@ class Plan:
         return cls(**data)
 
     # ### Reading
+
+    @property
+    def time_gap(self) -> float | None:
+        """``(predicted_time_s - time_bound_s) / predicted_time_s``: how much faster than
+        this plan a plan that fits could at most be estimated; ``None`` without both."""
+        if self.time_bound_s is None or not self.predicted_time_s:
+            return None
+        return max(0.0, 1.0 - self.time_bound_s / self.predicted_time_s)
 
     def replace(self, **changes: Any) -> "Plan":
         """A copy with some fields changed (``dataclasses.replace``)."""
@@ -413,6 +428,11 @@ class Plan:
             bound = (format_bytes(self.lower_bound) if self.bound_unit == "bytes"
                      else f"{1e3 * self.lower_bound:.3f} ms of the solver's step time")
             lines.append(f"  lower bound {bound}{gap}")
+        if self.time_bound_s is not None:
+            gap = ("" if self.time_gap is None or self.predicted_peak_bytes > self.budget_bytes
+                   else f" (this plan's gap {100 * self.time_gap:.1f}%)")
+            lines.append(f"  no plan that fits is estimated under "
+                         f"{1e3 * self.time_bound_s:.3f} ms{gap}")
         moved = sum(1 for i, o in enumerate(self.order) if o != i)
         lines.append(f"  order: {len(self.order)} ops, " +
                      ("program order" if moved == 0 else f"{moved} ops moved from program order"))
