@@ -38,7 +38,6 @@ from ortools.linear_solver import pywraplp
 from jaxmem.analysis import simulate as sim_lib
 from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
-from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.plans import plan as plan_lib
 
 # How many moments of the step as written are cuts: half the fullest (by live bytes),
@@ -109,7 +108,10 @@ def time_bound(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
     registered planner's plans follow, :mod:`jaxmem.planners._principles`); besides them,
     only ops the emitter cannot re-issue (effects, collectives) are excluded.
     """
-    plain = estimate_time_s(graph, plan_lib.unplanned(graph), cost_model)
+    # the unplanned plan's estimate (its ops one after another), without its schedule
+    plain = 0.0
+    for op in range(len(graph.ops)):
+        plain += cost_model.graph_op_time_s(graph, op)
     v = plan_lib.view(graph)
     never_reissued, never_copied = set(never_reissued), set(never_copied)
     state = (sum(graph.tensors[t].bytes for t in graph.inputs
@@ -162,43 +164,56 @@ def _at_cut(graph: MemGraph, cut: _Cut, budget: int, plain: float,
                          f"no plan fits: at {where} every plan holds at least {floor:,} B "
                          f"(arguments, outputs and buffers no plan may re-issue or copy)")
     lp = pywraplp.Solver.CreateSolver("GLOP")
-    ms = lp.NumVar(plain * 1e3, lp.infinity(), "T")
-    # (coefficient, variable or expression) terms in MiB, ms, MiB
-    memory: list[tuple[float, Any]] = []
-    work: list[tuple[float, Any]] = []
-    copied: list[tuple[float, Any]] = []
+    inf = lp.infinity()
+    ms = lp.NumVar(plain * 1e3, inf, "T")
+    lp.Objective().SetCoefficient(ms, 1.0)
+    lp.Objective().SetMinimization()
+    # Rows, in MiB and ms: what stays across the cut, the re-issue time, the link.
+    memory = lp.Constraint(-inf, (budget - cut.fixed_bytes) / _MIB)
+    work = lp.Constraint(plain * 1e3, inf)
+    work.SetCoefficient(ms, 1.0)
+    link_row = lp.Constraint(0.0, inf)
+    link_row.SetCoefficient(ms, link / _MIB / 1e3)
+    host_row = lp.Constraint(-inf, host / _MIB) if math.isfinite(host) else None
     runs: dict[int, Any] = {}  # op -> the variable of its running again after the cut
-    reissued: dict[int, Any] = {}  # tensor -> the share of it a re-issue frees
     fates: dict[int, list[Any]] = {}  # an input of re-issues -> held, re-issued, copied
 
     def ways(t: int, nbytes: int, in_cut: bool) -> None:
         """The variables of ``t``'s fate at the cut: kept (the cut's buffers) or held
         (inputs), re-issued, copied; their memory, time and link terms. An op that
         writes several of them runs again once for all."""
-        mib, free = nbytes / _MIB, []
+        free = []
         cost = reissue_s(t)
         if cost is not None:
             op = graph.tensors[t].producer
             assert op is not None
             if op not in runs:
                 runs[op] = lp.NumVar(0, 1, "")
-                work.append((cost * 1e3, runs[op]))
-            reissued[t] = r = lp.NumVar(0, 1, "")
-            lp.Add(r <= runs[op])
+                work.SetCoefficient(runs[op], -cost * 1e3)
+            r = lp.NumVar(0, 1, "")
+            within = lp.Constraint(-inf, 0.0)  # a share freed by re-issue <= the re-issue
+            within.SetCoefficient(r, 1.0)
+            within.SetCoefficient(runs[op], -1.0)
             free.append(r)
         if copyable(t):
             o = lp.NumVar(0, 1, "")
             free.append(o)
-            copied.append((cut.copy_bytes.get(t, nbytes) / _MIB, o))
+            moved = cut.copy_bytes.get(t, nbytes) / _MIB
+            link_row.SetCoefficient(o, -moved)
+            if host_row is not None:
+                host_row.SetCoefficient(o, moved)
         if in_cut:
-            if free:
-                lp.Add(sum(free) <= 1)
             # kept, it may be kept as a smaller value fused from it, re-issued before the cut
-            kept = min(nbytes, cut.copy_bytes.get(t, nbytes)) if shrinkable else nbytes
-            memory.append((kept / _MIB, 1 - sum(free) if free else 1))
+            kept = (min(nbytes, cut.copy_bytes.get(t, nbytes)) if shrinkable else nbytes) / _MIB
+            memory.SetUb(memory.ub() - kept)  # kept = 1 - sum(free)
+            if free:
+                one = lp.Constraint(-inf, 1.0)
+                for x in free:
+                    one.SetCoefficient(x, 1.0)
+                    memory.SetCoefficient(x, -kept)
         else:
             h = lp.NumVar(0, 1, "")
-            memory.append((mib, h))
+            memory.SetCoefficient(h, nbytes / _MIB)
             fates[t] = [h, *free]
 
     for t, nbytes in cut.buffers:
@@ -209,15 +224,10 @@ def _at_cut(graph: MemGraph, cut: _Cut, budget: int, plain: float,
         op = graph.tensors[t].producer
         if op in runs:
             for u in ins:
-                lp.Add(sum(fates[u]) >= runs[op])
-    lp.Add(cut.fixed_bytes / _MIB + sum(c * x for c, x in memory) <= budget / _MIB)
-    lp.Add(ms >= plain * 1e3 + sum(c * x for c, x in work))
-    if copied:
-        total = sum(c * x for c, x in copied)
-        lp.Add(ms * (link / _MIB / 1e3) >= total)
-        if math.isfinite(host):
-            lp.Add(total <= host / _MIB)
-    lp.Minimize(ms)
+                needed = lp.Constraint(0.0, inf)
+                needed.SetCoefficient(runs[op], -1.0)
+                for x in fates[u]:
+                    needed.SetCoefficient(x, 1.0)
     status = lp.Solve()
     if status == pywraplp.Solver.INFEASIBLE:
         return TimeBound(None, floor, plain,
@@ -295,7 +305,8 @@ def _find_cuts(graph: MemGraph) -> tuple[_Cut, ...]:
     with_op = [i for i in range(1, len(steps)) if steps[i].op is not None]
     fullest = sorted(with_op, key=lambda i: (-live[i], i))[:CUTS // 2]
     spread = with_op[::max(1, len(with_op) // (CUTS // 2))]
-    cuts = []
+    cuts: list[_Cut] = []
+    seen: set[tuple[int, tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = set()
     for i in sorted(set(fullest) | set(spread)):
         x = steps[i].op
         assert x is not None
@@ -327,8 +338,12 @@ def _find_cuts(graph: MemGraph) -> tuple[_Cut, ...]:
             frontier = list(dict.fromkeys(later))
         outside = tuple((u, sizes[u]) for u in dict.fromkeys(
             u for ins in reads.values() for u in ins))
-        cuts.append(_Cut(x, fixed_bytes + sum(sizes[t] for t in at_x), buffers, outside,
-                         tuple(reads.items()), copy_bytes))
+        cut = _Cut(x, fixed_bytes + sum(sizes[t] for t in at_x), buffers, outside,
+                   tuple(reads.items()), copy_bytes)
+        key = (cut.fixed_bytes, buffers, outside)
+        if key not in seen:  # a neighbour with the same buffers gives the same program
+            seen.add(key)
+            cuts.append(cut)
     return tuple(cuts)
 
 

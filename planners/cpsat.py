@@ -85,7 +85,9 @@ How it runs, within ``time_limit_s``:
    state placed is status ``"ok"`` without a bound (the solver places no state).
 
 ``lower_bound`` and ``gap`` are the solver's, on its objective: the step time
-(seconds) of the coarse model, whose durations are rounded up to ticks.
+(seconds) of the coarse model, whose durations are rounded up to ticks. The bound on
+every plan that fits, whoever made it, is ``time_bound_s`` (:mod:`._bound`), which the
+registry adds to every planner's plans.
 
 Options: :class:`CpsatOptions`.
 
