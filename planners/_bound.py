@@ -6,8 +6,10 @@ What a budget adds is read at a *cut*: take any op ``x``. A buffer made by an op
 ``x`` depends on and read by an op that depends on ``x`` exists before ``x`` runs and is
 needed after it, whatever the order; so while ``x`` runs it is on the device, unless the
 plan re-issues it (its producer runs again after ``x``: at least that op's time, as the
-estimate prices a re-issue) or copies it to host (its bytes cross the link each way, one
-copy at a time per direction, and sit in the host budget). A re-issue after ``x`` reads
+estimate prices a re-issue), copies it to host (its bytes cross the link each way, one
+copy at a time per direction, and sit in the host budget), or keeps instead the smaller
+values fused from it that are read after ``x`` (a bf16 ``convert`` of an f32 buffer),
+re-issued before ``x`` or copied. A re-issue after ``x`` reads
 its producer's inputs after ``x`` too: an input nothing else reads after ``x`` (a
 softmax's scores, whose exponential is the residual) is then held across ``x``,
 re-issued as well, or copied. With what every step holds (arguments, outputs) and what
@@ -79,7 +81,9 @@ class _Cut:
     before ``op`` that nothing needs after it but a re-issue; ``reads``: ``(tensor,
     outside buffers its producer reads)`` for the cut's buffers and, :data:`DEPTH` - 1
     levels up, for those outside buffers (a re-issue deeper up is taken to find its
-    inputs on the device: the bound stays valid and weaker).
+    inputs on the device: the bound stays valid and weaker); ``copy_bytes``: for a buffer
+    that ops after ``op`` read only through values fused from it, those values' bytes
+    where fewer (what a plan may keep or copy instead of the buffer).
     """
 
     op: int
