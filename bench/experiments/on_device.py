@@ -90,7 +90,6 @@ def _measure_point(a: argparse.Namespace) -> dict[str, Any]:
                       fallback=verified.fallback,
                       compiled_peak_bytes=last.compiled_bytes if last else report.device_bytes,
                       host_bytes=report.host_bytes, est_step_time_s=report.est_step_time_s,
-                      plan_predicted_time_s=getattr(plan, "predicted_time_s", None),
                       block_decisions=dict(blocks.decisions) if blocks is not None else None,
                       **_plan_fields(plan))
     print(json.dumps(record), flush=True)  # the compile-only figures, before the device run
