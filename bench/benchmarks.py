@@ -194,7 +194,11 @@ SECTIONS = (
         "won when `cpsat`'s plan fits the budget and its estimated time is within 1% of the "
         "fastest rival that fits. Every model is planned under the default `jaxmem.Config`: "
         "`llama` (bf16) keeps its bits where a bit-exact plan fits and is recomputed as "
-        "`jax.checkpoint` would where none does (`bitwise='auto'`, docs/exactness.md).",
+        "`jax.checkpoint` would where none does (`bitwise='auto'`, docs/exactness.md). "
+        "*bound ms (gap)*: no plan whose simulated peak fits the budget is estimated under "
+        "the bound, and the kept plan is that far above it, both in the planners' estimate "
+        "(not the compiled roofline of *planner MiB / ms*; docs/planners.md, \"How far a "
+        "plan may be from the best\"); `–` for records made before plans carried it.",
         "\n".join([
             f"PEERS={PEERS}",
             f"for m in {' '.join(SWEPT)}; do",
