@@ -5,10 +5,10 @@ Builds the zoo's train step of ``MODEL`` at ``SIZE`` for the target (``h100`` by
 default), and at each budget (MiB) prints the bound no plan that fits is estimated under
 (:mod:`jaxmem.planners._bound`, as the registry attaches it) and each planner's plan:
 its simulated peak, the planners' estimate and its gap to the bound. Then where the
-first planner's plan spends its re-issue time, by primitive (a
-dropout mask's re-issue hashes its random bits again, which the bound does not count)
-at the last budget it fits.
-Every time is the planners' estimate (``estimate_time_s``), not the compiled roofline.
+first planner's plan spends its re-issue time at the last budget it fits, by primitive
+(a dropout mask's re-issue hashes its random bits again, which the bound does not
+count). Every time is the planners' estimate (``estimate_time_s``), not the compiled
+roofline.
 
 Example::
 
