@@ -62,13 +62,11 @@ class TimeBound:
         when no plan fits at all.
       floor_bytes: no plan's simulated peak is lower: the most any cut holds with
         everything re-issued or copied that may be.
-      plain_time_s: the step as written, which no plan beats (``T0``).
       note: one line for people: what the bound rests on.
     """
 
     time_s: float | None
     floor_bytes: int
-    plain_time_s: float
     note: str
 
 
@@ -139,7 +137,7 @@ def time_bound(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
         if best is None or _tighter(bound, best):
             best = bound
     if best is None:  # a step without ops: nothing to free, nothing to run
-        return TimeBound(plain, 0, plain, "a step without ops")
+        return TimeBound(plain, 0, "a step without ops")
     return dataclasses.replace(best, floor_bytes=max(floors))
 
 
@@ -161,10 +159,10 @@ def _at_cut(graph: MemGraph, cut: _Cut, budget: int, plain: float,
                                   for t, n in cut.buffers
                                   if reissue_s(t) is None and not copyable(t))
     if held <= budget:
-        return TimeBound(plain, floor, plain, f"at {where} the budget holds every buffer: "
+        return TimeBound(plain, floor, f"at {where} the budget holds every buffer: "
                          f"the step as written, {plain * 1e3:.3f} ms")
     if floor > budget:
-        return TimeBound(None, floor, plain,
+        return TimeBound(None, floor,
                          f"no plan fits: at {where} every plan holds at least {floor:,} B "
                          f"(arguments, outputs and buffers no plan may re-issue or copy)")
     lp = pywraplp.Solver.CreateSolver("GLOP")
@@ -234,15 +232,15 @@ def _at_cut(graph: MemGraph, cut: _Cut, budget: int, plain: float,
                     needed.SetCoefficient(x, 1.0)
     status = lp.Solve()
     if status == pywraplp.Solver.INFEASIBLE:
-        return TimeBound(None, floor, plain,
+        return TimeBound(None, floor,
                          f"no plan fits: at {where} the buffers a plan may free, with the "
                          f"inputs their re-issues need and the host budget, leave more than "
                          f"{budget:,} B")
     if status != pywraplp.Solver.OPTIMAL:  # not seen; say so rather than guess
-        return TimeBound(plain, floor, plain, f"at {where} the linear program was not "
+        return TimeBound(plain, floor, f"at {where} the linear program was not "
                          f"solved (status {status}): the step as written bounds it")
     time_s = max(plain, ms.solution_value() * 1e-3 * (1 - _SLACK))
-    return TimeBound(time_s, floor, plain,
+    return TimeBound(time_s, floor,
                      f"at {where} a plan frees at least {held - budget:,} of {held:,} B: "
                      f"{1e3 * time_s:.3f} ms or more (the step as written: "
                      f"{1e3 * plain:.3f} ms)")
