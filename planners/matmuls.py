@@ -18,10 +18,12 @@ inputs are weights) and convolutions, and recomputes the batched ones (a
 transformer's attention scores and context) with the rest.
 
 ``keep_matmuls_fit`` follows the budget: it recomputes the residuals whose
-recomputation needs a matmul or random bits, the cheapest per byte first, until the plan fits
-(:func:`keep_matmuls_fit`): the choice the MaxText presets
-(``save_dot_except_mlpwi``, ``save_qkv_proj``, ...) make by name, made by cost
-per byte for any budget.
+recomputation needs a matmul or random bits, the cheapest per byte first, until the plan
+fits (:func:`keep_matmuls_fit`): the choice the MaxText presets
+(``save_dot_except_mlpwi``, ``save_qkv_proj``, ...) make by name, made by cost per byte
+for any budget. With ``free_copies`` it first copies to host the residuals the step's
+compute can carry over the link for free in the planners' estimate
+(:mod:`~jaxmem.planners._copies`).
 
 Segments are those of :func:`~jaxmem.planners._shared.find_residuals`, with
 the values XLA fuses into summations recomputed too where that keeps the plain
@@ -47,13 +49,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 from jaxmem.analysis import materialize as mat
 from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
+from jaxmem.planners._copies import TIME_TOLERANCE, free_copies
 from jaxmem.planners._folding import fused_closure
 from jaxmem.planners._options import Kind, PlannerOptions, check_options
+from jaxmem.planners._principles import key_tensors, made_exact, masked_sums
 from jaxmem.planners._registry import register
 from jaxmem.planners._shared import (
     computed_by,
@@ -80,9 +84,21 @@ class KeepMatmulsOptions(PlannerOptions):
     the common ones, of which they read ``bitwise`` (segments recompute the values XLA
     fuses into summations only where that keeps the plain step's bits) and
     ``keep_matmuls_fit`` ``time_limit_s`` (its search stops when it is spent, with the
-    best plan so far, and says so in the notes); they always recompute."""
+    best plan so far, and says so in the notes), and with ``free_copies``,
+    ``allow_offload`` and ``host_budget_bytes``; they always recompute.
+
+    Attributes:
+      free_copies: ``keep_matmuls_fit`` copies to host the residuals whose copies the
+        step's compute hides in the planners' estimate before it recomputes matmul
+        outputs (:mod:`~jaxmem.planners._copies`). Off by default: XLA's schedule for
+        the GPU targets starts each copy shortly before the step waits for it, so the
+        compiled step does not hide them (docs/planners.md, "Host copies the compute
+        could hide").
+    """
 
     always_plans: ClassVar[tuple[Kind, ...]] = ("remat",)
+
+    free_copies: bool = False
 
 
 def keep_matmuls(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
@@ -106,7 +122,8 @@ def keep_matmuls(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     started = time.perf_counter()
     res = find_residuals(graph, fused=fused_segments(graph, opts.bitwise))
     cheap = _cheap(graph, _closures(graph, res), batched)
-    remat, _ = remat_points(graph, res, cheap)
+    never = never_reissued(graph, opts.bitwise)
+    remat = {t: at for t, at in remat_points(graph, res, cheap)[0].items() if t not in never}
     return finish(graph, budget_bytes, cost_model, planner=name, started=started,
                   order=res.order, remat=remat, notes=[_kept_note(graph, res, remat, cheap)],
                   log=logger)
@@ -116,7 +133,14 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
                      options: Mapping[str, Any] | None = None) -> plan_lib.Plan:
     """Keep the matmul outputs the budget allows, the cheapest to recompute dropped first.
 
-    Starts from :func:`keep_matmuls`'s plan. The residuals it keeps whose
+    Starts from :func:`keep_matmuls`'s plan. Where that does not fit, with
+    ``free_copies`` and ``allow_offload``, the residuals it keeps that the step's
+    compute can copy to host and back for free
+    (:func:`~jaxmem.planners._copies.free_copies`; the fewest that fit, if they are
+    enough) are copied; the plan is searched again without them where with them no plan
+    fits (their prefetches hold memory late in the backward pass). Keys and, bit-exact,
+    masked values read by sums are never re-issued (:func:`never_reissued`). Then the
+    residuals it keeps whose
     recomputation needs a matmul (matmul outputs, a projection's biased
     output, a residual stream ``h + f(h)``) or random bits (dropout masks) are
     recomputed in order of
@@ -159,41 +183,72 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
                graph.ops[computed_by(graph, t)].primitive)
         groups.setdefault(key, []).append(t)
 
-    def plan_dropping(dropped: list[int]) -> plan_lib.Plan:
-        remat, _ = remat_points(graph, res, cheap + dropped)
+    never = never_reissued(graph, opts.bitwise)
+
+    def plan_dropping(dropped: list[int], copies: Mapping[int, int] | None = None
+                      ) -> plan_lib.Plan:
+        copies = {} if copies is None else copies
+        remat, offload = remat_points(graph, res, cheap + dropped, offload=copies)
+        remat = {t: at for t, at in remat.items() if t not in never}
         note = (f"{len(dropped)} of {len(cost)} residuals whose recomputation needs a matmul "
                 f"or random bits recomputed, the cheapest per byte first; "
                 + _kept_note(graph, res, remat, cheap))
+        if copies:
+            note += (f"; {len(copies)} copied to host while the step computes "
+                     f"({sum(graph.tensors[t].bytes for t in copies):,} B)")
         return finish(graph, budget_bytes, cost_model, planner=FIT, started=started,
-                      order=res.order, remat=remat, notes=[note], warn=False)
+                      order=res.order, remat=remat, offload=offload, notes=[note], warn=False)
 
-    dropped: list[int] = []
-    best = plan_dropping(dropped)
-    skipped = 0
-    for i, group in enumerate(groups.values()):
-        if best.status == "ok" or out_of_time(
-                deadline, stopped, f"the search stopped after {i} of {len(groups)} groups"):
-            break
-        trial = plan_dropping(dropped + group)
-        if trial.predicted_peak_bytes >= best.predicted_peak_bytes:
-            skipped += len(group)  # re-issued where the peak is, they would only add to it
-            continue
-        if trial.status == "ok":
-            # The fewest of this group that fit (the peak falls as more are dropped;
-            # none of it is ``best``, which does not fit).
-            lo, hi = 1, len(group)
-            while lo < hi and not out_of_time(deadline, stopped,
-                                                "the binary search over a group stopped"):
-                mid = (lo + hi) // 2
-                fits = plan_dropping(dropped + group[:mid])
-                if fits.status == "ok":
-                    hi, trial = mid, fits
-                else:
-                    lo = mid + 1
-            dropped += group[:hi]  # trial's: fits (lo == hi unless the clock stopped it)
-        else:
-            dropped += group
-        best = trial
+    plain = plan_dropping([])
+
+    def search(copies: Mapping[int, int]) -> tuple[plan_lib.Plan, int]:
+        """The plan that drops groups until it fits, and how many residuals it skipped."""
+        dropped: list[int] = []
+        best = plan_dropping(dropped, copies) if copies else plain
+        # Copied ones are off the device at the peak: recomputing them frees nothing there.
+        todo = [kept for kept in ([t for t in group if t not in copies]
+                                  for group in groups.values()) if kept]
+        skipped = 0
+        for i, group in enumerate(todo):
+            if best.status == "ok" or out_of_time(
+                    deadline, stopped, f"the search stopped after {i} of {len(todo)} groups"):
+                break
+            trial = plan_dropping(dropped + group, copies)
+            if trial.predicted_peak_bytes >= best.predicted_peak_bytes:
+                skipped += len(group)  # re-issued where the peak is, they only add to it
+                continue
+            if trial.status == "ok":
+                # The fewest of this group that fit (the peak falls as more are dropped;
+                # none of it is ``best``, which does not fit).
+                lo, hi = 1, len(group)
+                while lo < hi and not out_of_time(deadline, stopped,
+                                                    "the binary search over a group stopped"):
+                    mid = (lo + hi) // 2
+                    fits = plan_dropping(dropped + group[:mid], copies)
+                    if fits.status == "ok":
+                        hi, trial = mid, fits
+                    else:
+                        lo = mid + 1
+                dropped += group[:hi]  # trial's: fits (lo == hi unless the clock stopped it)
+            else:
+                dropped += group
+            best = trial
+        return best, skipped
+
+    copies: dict[int, int] = {}
+    if plain.status != "ok" and opts.free_copies and opts.allow_offload:
+        copies = _free_copies(graph, res, plain, cost_model, opts, plan_dropping)
+    best, skipped = search(copies)
+    if copies and made_exact(graph, best, cost_model, opts.bitwise).status != "ok":
+        # The prefetches hold their tensors through the end of the backward pass, which
+        # can become the peak once enough is recomputed, or the re-issues the rules take
+        # back (masked sums) no longer fit beside them: search again without them.
+        without, skipped_without = search({})
+        if (made_exact(graph, without, cost_model, opts.bitwise).predicted_peak_bytes
+                < made_exact(graph, best, cost_model, opts.bitwise).predicted_peak_bytes):
+            best, skipped = without, skipped_without
+            stopped.append(f"{len(copies)} free host copies left out: the plan without "
+                           "them peaks lower")
     notes = list(best.notes) + stopped
     if skipped:
         notes.append(f"{skipped} residuals left kept: recomputing them raised the simulated peak")
@@ -201,6 +256,46 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
         logger.info("%s: best plan peaks at %s B, over the budget of %s B", FIT,
                        f"{best.predicted_peak_bytes:,}", f"{budget_bytes:,}")
     return best.replace(notes=tuple(notes), solve_time_s=time.perf_counter() - started)
+
+
+def _free_copies(graph: MemGraph, res: Any, plain: plan_lib.Plan, cost_model: CostModel,
+                 opts: KeepMatmulsOptions, plan_dropping: Callable[..., plan_lib.Plan]
+                 ) -> dict[int, int]:
+    """The host copies of ``plain``'s kept residuals that its compute hides
+    (:func:`~jaxmem.planners._copies.free_copies`), as many of them, in the order they
+    were chosen, as keep the estimate within :data:`~jaxmem.planners._copies.TIME_TOLERANCE`
+    of ``plain``'s; where fewer make the plan fit, the fewest that do."""
+    kept = [t for t in res.tensors if t not in plain.remat]
+    copies = free_copies(graph, plain, cost_model, kept, opts.host_budget_bytes)
+    chosen = list(copies)
+    def time_s(p: plan_lib.Plan) -> float:
+        return p.predicted_time_s or 0.0  # (set by finish)
+
+    limit_s = (1 + TIME_TOLERANCE) * time_s(plain)
+
+    def fewest(ok: Callable[[plan_lib.Plan], bool], lo: int, hi: int) -> int:
+        """The fewest of ``chosen`` (from ``lo`` to ``hi``) whose plan is ``ok``."""
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ok(plan_dropping([], {t: copies[t] for t in chosen[:mid]})):
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
+
+    if chosen and time_s(plan_dropping([], copies)) > limit_s:
+        # The most that stay within the tolerance: the fewest that exceed it, less one.
+        chosen = chosen[:fewest(lambda p: time_s(p) > limit_s, 1, len(chosen)) - 1]
+    if chosen and plan_dropping([], {t: copies[t] for t in chosen}).status == "ok":
+        chosen = chosen[:fewest(lambda p: p.status == "ok", 1, len(chosen))]
+    return {t: copies[t] for t in chosen}
+
+
+def never_reissued(graph: MemGraph, bitwise: bool) -> frozenset[int]:
+    """What the registry's rules take back from any plan's re-issues (keys; bit-exact,
+    masked values read by sums): these planners keep them in the first place, so that a
+    search sees the plans it returns."""
+    return key_tensors(graph) | (masked_sums(graph) if bitwise else frozenset())
 
 
 def _closures(graph: MemGraph, res: Any) -> dict[int, dict[int, Any]]:

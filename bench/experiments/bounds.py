@@ -18,35 +18,25 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import collections
 import sys
 from typing import Sequence
+
+from bench.experiments import budgets_parser, train_graph
 
 _MiB = 1 << 20
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.experiments.bounds",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("model")
-    p.add_argument("size")
-    p.add_argument("budgets", help="comma list of budgets in MiB")
+    p = budgets_parser("python -m bench.experiments.bounds", __doc__ or "")
     p.add_argument("--planners", default="keep_matmuls_fit,greedy")
-    p.add_argument("--target", default="h100")
     args = p.parse_args(argv)
 
-    import jaxmem.models as zoo
     import jaxmem.planners as registry
-    from jaxmem.analysis.graph import build_graph
-    from jaxmem.cost.costmodel import CostModel
     from jaxmem.planners._estimate import estimate_time_s
     from jaxmem.plans import plan as plan_lib
 
-    zs = zoo.build(args.model, args.size, step="train")
-    graph = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,
-                        arg_roles=zs.arg_roles, target=args.target)
-    cost_model = CostModel.for_target(args.target)
+    _, graph, cost_model = train_graph(args.model, args.size, args.target)
     plain = estimate_time_s(graph, plan_lib.unplanned(graph), cost_model)
     names = args.planners.split(",")
     print(f"{args.model} {args.size} for {args.target}: the step as written "
