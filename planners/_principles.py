@@ -484,6 +484,12 @@ def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool =
     return exact
 
 
+def never_reissued(graph: Any, bitwise: bool) -> frozenset[int]:
+    """The values whose re-issues the rules above take back from any plan, whatever it is:
+    keys, and under ``bitwise`` masked sums (constants only where they are buffers)."""
+    return key_tensors(graph) | (masked_sums(graph) if bitwise else frozenset())
+
+
 def bound_for(graph: Any, budget_bytes: int, cost_model: Any, options: Mapping[str, Any],
               bitwise: bool) -> TimeBound:
     """:func:`~jaxmem.planners._bound.time_bound` over the plans the rules above let a
@@ -491,7 +497,7 @@ def bound_for(graph: Any, budget_bytes: int, cost_model: Any, options: Mapping[s
     under ``bitwise`` no masked sum re-issued. In a verify loop's re-plan the bound is
     taken at the user's budget (``verify_budget_bytes``), which every candidate serves."""
     constant = constant_tensors(graph)
-    never = constant | key_tensors(graph) | (masked_sums(graph) if bitwise else frozenset())
+    never = constant | never_reissued(graph, bitwise)
     host = options.get("host_budget_bytes")
     return time_bound(
         graph, int(options.get("verify_budget_bytes") or budget_bytes), cost_model,

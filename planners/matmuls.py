@@ -57,7 +57,7 @@ from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._copies import TIME_TOLERANCE, free_copies
 from jaxmem.planners._folding import fused_closure
 from jaxmem.planners._options import Kind, PlannerOptions, check_options
-from jaxmem.planners._principles import key_tensors, made_exact, masked_sums
+from jaxmem.planners._principles import made_exact, never_reissued
 from jaxmem.planners._registry import register
 from jaxmem.planners._shared import (
     computed_by,
@@ -139,7 +139,8 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     (:func:`~jaxmem.planners._copies.free_copies`; the fewest that fit, if they are
     enough) are copied; the plan is searched again without them where with them no plan
     fits (their prefetches hold memory late in the backward pass). Keys and, bit-exact,
-    masked values read by sums are never re-issued (:func:`never_reissued`). Then the
+    masked values read by sums are never re-issued
+    (:func:`~jaxmem.planners._principles.never_reissued`). Then the
     residuals it keeps whose
     recomputation needs a matmul (matmul outputs, a projection's biased
     output, a residual stream ``h + f(h)``) or random bits (dropout masks) are
@@ -239,13 +240,14 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     if plain.status != "ok" and opts.free_copies and opts.allow_offload:
         copies = _free_copies(graph, res, plain, cost_model, opts, plan_dropping)
     best, skipped = search(copies)
-    if copies and made_exact(graph, best, cost_model, opts.bitwise).status != "ok":
+    returned = made_exact(graph, best, cost_model, opts.bitwise) if copies else best
+    if returned.status != "ok" and copies:
         # The prefetches hold their tensors through the end of the backward pass, which
         # can become the peak once enough is recomputed, or the re-issues the rules take
         # back (masked sums) no longer fit beside them: search again without them.
         without, skipped_without = search({})
         if (made_exact(graph, without, cost_model, opts.bitwise).predicted_peak_bytes
-                < made_exact(graph, best, cost_model, opts.bitwise).predicted_peak_bytes):
+                < returned.predicted_peak_bytes):
             best, skipped = without, skipped_without
             stopped.append(f"{len(copies)} free host copies left out: the plan without "
                            "them peaks lower")
@@ -289,13 +291,6 @@ def _free_copies(graph: MemGraph, res: Any, plain: plan_lib.Plan, cost_model: Co
     if chosen and plan_dropping([], {t: copies[t] for t in chosen}).status == "ok":
         chosen = chosen[:fewest(lambda p: p.status == "ok", 1, len(chosen))]
     return {t: copies[t] for t in chosen}
-
-
-def never_reissued(graph: MemGraph, bitwise: bool) -> frozenset[int]:
-    """What the registry's rules take back from any plan's re-issues (keys; bit-exact,
-    masked values read by sums): these planners keep them in the first place, so that a
-    search sees the plans it returns."""
-    return key_tensors(graph) | (masked_sums(graph) if bitwise else frozenset())
 
 
 def _closures(graph: MemGraph, res: Any) -> dict[int, dict[int, Any]]:
