@@ -531,7 +531,7 @@ def principled(name: str, fn: Callable[..., plan_lib.Plan],
                  bound_for(graph, budget_bytes, cost_model, options or {}, bitwise))
 
         def exact(p: plan_lib.Plan) -> plan_lib.Plan:
-            p = made_exact(graph, p, cost_model, bitwise)
+            p = made_exact(graph, p, cost_model, bitwise).replace(bitwise=bitwise)
             return p if bound is None else p.replace(time_bound_s=bound.time_s)
 
         return exact(plan).replace(alternatives=tuple(exact(a) for a in plan.alternatives))

@@ -160,6 +160,33 @@ def test_a_reissued_softmax_exponential_keeps_its_first_copy_fused():
     assert not set(first) & _barriered(closed.jaxpr)
 
 
+def test_a_relaxed_plan_leaves_the_first_copies_to_xla():
+    """Under ``bitwise=False`` no first copy of a re-issued value is kept a buffer for the
+    bits' sake (no barrier, no ``reduce_precision``): XLA fuses it into its lone reader as
+    it fuses ``jax.checkpoint``'s recomputation (an unrolled Equinox GPT's softmaxes then
+    compile to Triton softmax kernels, docs/planners.md)."""
+    zs = zoo.build("gpt2", "tiny", step="train")
+    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
+                    target="h100")
+    blocks = registry.get("blocks").fn
+    exact = blocks(g, 1, COST, {"bitwise": True})
+    relaxed = blocks(g, 1, COST, {"bitwise": False})
+    assert exact.bitwise and not relaxed.bitwise
+    assert exact.remat and relaxed.remat
+    assert plan_lib.Plan.from_json(relaxed.to_json()) == relaxed
+    assert exact.replace(bitwise=False).decisions() != exact.decisions()
+
+    def emitted(plan):
+        closed = jax.make_jaxpr(emit_lib.emit(g, plan))(*zs.args)
+        kept = sum(e.primitive.name == "reduce_precision" for e in closed.jaxpr.eqns)
+        return kept, len(_barriered(closed.jaxpr))
+
+    kept, barriered = emitted(exact)
+    assert kept > 0  # first copies written out as in the plain step
+    relaxed_kept, relaxed_barriered = emitted(exact.replace(bitwise=False))
+    assert relaxed_kept == 0 and relaxed_barriered < barriered
+
+
 def test_fit_variant_recomputes_more_matmul_outputs_as_the_budget_falls():
     zs = zoo.build("gpt2", "tiny", step="train")
     g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,

@@ -11,7 +11,10 @@ dependencies through ``jax.lax.optimization_barrier``:
 
 * **remat**: the re-issued equation reads its inputs through a barrier shared
   with the values the next op of the order reads, so it is a fresh
-  computation that cannot run before that op's inputs exist;
+  computation that cannot run before that op's inputs exist; a first copy the
+  re-issue leaves with one reader stays a buffer, as in the plain step, unless
+  the plan is not bit-exact (``Plan.bitwise`` false: XLA then fuses it into
+  that reader, as it fuses ``jax.checkpoint``'s recomputation);
 * **offload**: ``jax.device_put(x, Space.Host)`` right after ``x`` is produced;
   the host copy goes through a barrier with an input of the next op, so the
   copy completes there and the device buffer can die; the prefetch
@@ -157,7 +160,8 @@ def emit(graph_or_program: Any, plan: plan_lib.Plan | None = None, *,
                           if view.phases[op] == "backward") if pinning else frozenset())
     scopes = _checkpoint_scopes(program, schedule)
     interpreter = _Interpreter(program, schedule, pins, sink, scopes, on_host,
-                               placed_outputs(program, on_host), host_ops, branches)
+                               placed_outputs(program, on_host), host_ops, branches,
+                               bitwise=plan.bitwise)
 
     def step(*args: Any, **kwargs: Any) -> Any:
         flat, tree = jax.tree_util.tree_flatten((args, kwargs))

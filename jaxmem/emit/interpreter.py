@@ -43,13 +43,15 @@ class _Interpreter(_FusionRules):
                  placed: frozenset[int] = frozenset(),
                  placed_outputs: dict[int, int] | None = None,
                  host_ops: frozenset[int] = frozenset(),
-                 branches: frozenset[int] = frozenset()) -> None:
+                 branches: frozenset[int] = frozenset(), bitwise: bool = True) -> None:
         self.program = program
         self.schedule = schedule
         self.view = schedule.view
         self.pins = pins
         self.sink = sink
-        self.lone_copies = self._lone_copies(schedule)
+        # (Plan.bitwise False: no copy is kept a buffer for the bits' sake; XLA fuses
+        # them as it fuses jax.checkpoint's.)
+        self.lone_copies = self._lone_copies(schedule) if bitwise else frozenset()
         self.scope_starts = scope_starts
         # Per run: version -> the event that computed it, and when (in issue order);
         # versions the emitter makes beyond the schedule's (chains recomputed after a
@@ -77,7 +79,7 @@ class _Interpreter(_FusionRules):
         # inside the dropout's select rather than written out, 24 GiB less traffic a
         # step at bench size on h100).
         self.split = frozenset(t for t in self._split_alone(schedule)
-                               if _rounds(self.avals[t]))
+                               if bitwise and _rounds(self.avals[t]))
         # Versions the events of each checkpoint scope read from outside it, and the
         # literals its barrier takes (jaxmem.tracing.trace.Program.remat_literals).
         self.scope_inputs = self._scope_inputs()

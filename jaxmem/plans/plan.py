@@ -194,6 +194,12 @@ class Plan:
         the verify loop of :func:`jaxmem.optimize` compiled it; ``None`` for a
         plan no compile has checked. The status of a verified plan is about
         these bytes, not about ``predicted_peak_bytes``.
+      bitwise: whether the emitted step keeps the plain step's kernels (the default): a
+        value whose re-issue leaves its first copy one reader stays a buffer, as in the
+        plain step, so XLA cannot fuse it into that reader and sum in another order.
+        ``False`` for plans made under ``Config(bitwise=False)``: XLA then fuses such
+        copies as it fuses ``jax.checkpoint``'s (a recomputed softmax becomes one
+        kernel), for a faster step whose bits may move.
       graph: the ``MemGraph`` the plan was made for, when known (a plan from
         ``step.plan(*args)`` of ``@jaxmem.optimize`` carries it; one read from
         JSON does not). Not part of equality, ``repr`` or JSON.
@@ -227,6 +233,7 @@ class Plan:
     solver_status: str = ""
     candidates: tuple[Candidate, ...] = ()
     time_bound_s: float | None = None
+    bitwise: bool = True
     graph: Any = dataclasses.field(default=None, compare=False, repr=False)
     alternatives: tuple["Plan", ...] = dataclasses.field(default=(), compare=False, repr=False)
 
@@ -286,7 +293,7 @@ class Plan:
             "source": self.source, "fallback_reason": self.fallback_reason,
             "solver_status": self.solver_status,
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
-            "time_bound_s": self.time_bound_s,
+            "time_bound_s": self.time_bound_s, "bitwise": self.bitwise,
         }
 
     def to_json(self) -> str:
@@ -295,11 +302,11 @@ class Plan:
 
     def decisions(self) -> str:
         """The plan's decisions alone, as JSON: order, remat, offload, placement (with the
-        host update) and block decisions (equal for two plans that emit the same program,
-        whatever their planner, budget, predictions or notes)."""
+        host update), block decisions and ``bitwise`` (equal for two plans that emit the
+        same program, whatever their planner, budget, predictions or notes)."""
         data = self._as_dict()
         return json.dumps({k: data[k] for k in ("order", "remat", "offload", "placement",
-                                                "host_update", "block_decisions")},
+                                                "host_update", "block_decisions", "bitwise")},
                           sort_keys=True)
 
     @classmethod
@@ -321,6 +328,7 @@ class Plan:
             data.setdefault("solver_status", "")
             data.setdefault("candidates", [])
             data.setdefault("time_bound_s", None)
+            data.setdefault("bitwise", True)
         if not isinstance(data, dict) or set(data) != fields:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"not a jaxmem plan: expected a JSON object with keys "
@@ -514,6 +522,7 @@ def _check_json_types(data: dict[str, Any]) -> None:
             and _is(c["time_s"], _NUMBER) for c in v),
             "a list of {name, peak_bytes, time_s} objects"),
         "bound_unit": (lambda v: isinstance(v, str), "a string"),
+        "bitwise": (lambda v: isinstance(v, bool), "true or false"),
         "budget_bytes": (lambda v: _is(v, _INT), "an int"),
         "compiled_bytes": (lambda v: v is None or _is(v, _INT), "an int or null"),
         "predicted_peak_bytes": (lambda v: _is(v, _INT), "an int"),
