@@ -75,7 +75,7 @@ from jaxmem.planners._shared import (
     profile,
     remat_points,
 )
-from jaxmem.planners.matmuls import makes_matmul
+from jaxmem.planners.matmuls import MATMUL_PRIMITIVES, makes_matmul
 from jaxmem.plans import plan as plan_lib
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,9 @@ def detect_blocks(graph: MemGraph, res: Residuals, forward: Sequence[int],
     Module paths (:func:`find_blocks`) are the user's own names for the layers and
     win unless the forward pass's repeated op sequences
     (:func:`~jaxmem.planners._repeats.repeated_blocks`) cover more of its ops: a
-    Flax NNX step's only paths are its einsums' names, which repeat too.
+    Flax NNX step's only paths are its einsums' names, which repeat too. Either way a
+    block holds a matmul or convolution (an unrolled Equinox step's paths name its
+    ``eqx.nn`` modules: the LayerNorms repeat, and are not layers).
     ``forward``: the forward ops in ``res.order``; ``cuts``: their
     :func:`~jaxmem.planners._shared.forward_cuts`, where the caller has them.
     """
@@ -167,6 +169,10 @@ def detect_blocks(graph: MemGraph, res: Residuals, forward: Sequence[int],
     if len(modules) != len(graph.ops):
         modules = ("",) * len(graph.ops)
     _, by_path = find_blocks(modules, forward, [op.primitive for op in graph.ops])
+    # Layers, as in the op sequence's repeats: a block holds a matmul or convolution
+    # (Equinox names each eqx.nn module it calls; its LayerNorms repeat too).
+    by_path = [(path, ops) for path, ops in by_path
+               if any(graph.ops[op].primitive in MATMUL_PRIMITIVES for op in ops)]
     runs = repeated_blocks(graph, forward, forward_cuts(graph, res) if cuts is None else cuts,
                            min_ops)
     by_repeat = [(f"repeat_{i}", ops) for i, ops in enumerate(
