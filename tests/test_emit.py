@@ -218,6 +218,12 @@ def test_reissued_tanh_with_its_residual_add_is_not_bitwise_equal(seed):
 _JAX_0_12 = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
 
 
+# (case, seed) whose known difference shows on some XLA:CPU machines only: seed 0 of the
+# offloaded scaling differs on the machines it was found on and is bitwise on an AMD EPYC
+# without AVX-512 (jaxlib 0.10.2).
+_MACHINE_DEPENDENT = frozenset({("replayed-from-residual", 0)})
+
+
 @pytest.mark.parametrize("case", sorted(DOUBLE_SCALINGS))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_copied_double_scaling_keeps_its_bits_where_xla_folds_alike(case, seed, request):
@@ -225,9 +231,10 @@ def test_a_copied_double_scaling_keeps_its_bits_where_xla_folds_alike(case, seed
     if differs[_JAX_0_12] is None:
         pytest.skip("this jaxlib traces the program to other tensor ids")
     if differs[_JAX_0_12]:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-            "known inexactness: XLA folds the copied chain's two constant scalings into one "
-            "and the plain step's not, or the other way round (see DOUBLE_SCALINGS)")))
+        request.applymarker(pytest.mark.xfail(
+            strict=(case, seed) not in _MACHINE_DEPENDENT, raises=AssertionError, reason=(
+                "known inexactness: XLA folds the copied chain's two constant scalings into "
+                "one and the plain step's not, or the other way round (see DOUBLE_SCALINGS)")))
     step, args = random_program(spec, width, seed)
     g = analyse(trace(step, *args), "cpu")
     named = next(iter(fields.get("offload") or fields["remat"]))
