@@ -333,3 +333,24 @@ def test_a_section_runs_its_script_and_prints_it_beside_its_records(tmp_path):
     assert "no GPU" in text and "jax " in text  # the machine and the versions
     with pytest.raises(subprocess.CalledProcessError):  # a failing script is not recorded
         benchmarks.run(dataclasses.replace(section, script="exit 3"), root=str(tmp_path))
+
+
+@pytest.mark.parametrize("which", ["equinox", "nnx"])
+def test_third_party_unrolled_gpts_wrap_each_block_and_have_one_block_per_layer(which):
+    """The unrolled Equinox and NNX GPTs of ``bench.experiments.third_party``: a policy puts
+    every block call under ``jax.checkpoint`` (one remat equation per layer), and the step
+    as written has its layers found as blocks (the peer jaxmem is compared with)."""
+    from bench.experiments import third_party
+    from jaxmem.analysis.graph import build_graph
+    from jaxmem.cost.costmodel import CostModel
+
+    layers = 2
+    fn, args, donate = third_party.STEPS[which](layers, "dots", True)
+    closed = jax.make_jaxpr(fn)(*args)
+    remats = [e for e in closed.jaxpr.eqns if e.primitive.name.startswith("checkpoint")
+              or e.primitive.name.startswith("remat")]
+    assert len(remats) == layers
+    fn, args, donate = third_party.STEPS[which](layers, None, True)
+    g = build_graph(fn, *args, donate_argnums=donate, target="h100")
+    plan = _registry.get("blocks").fn(g, 1, CostModel.for_target("h100"), {})
+    assert plan.notes[0].startswith(f"{layers} blocks"), plan.notes[0]

@@ -1,21 +1,27 @@
-"""Scanned GPTs written as Equinox and Flax NNX users write them, planned unmodified:
+"""GPTs written as Equinox and Flax NNX users write them, planned unmodified:
 ``python -m bench.experiments.third_party {equinox,nnx} FRACTIONS [OUT.jsonl]
-[--time-limit S] [--layers N]``.
+[--time-limit S] [--layers N] [--unrolled] [--at-peers] [--not-bitwise]``.
 
 Equinox: blocks made with ``eqx.filter_vmap`` and run by ``jax.lax.scan`` over their
-stacked arrays; NNX: blocks made with ``nnx.vmap`` and run by ``nnx.scan``. Both train
+stacked arrays; NNX: blocks made with ``nnx.vmap`` and run by ``nnx.scan``. With
+``--unrolled`` the blocks are a list (``nnx.List``) called in a Python loop. Both train
 with AdamW on next-token cross-entropy (GPT-2 small widths: 768 wide, 12 heads, 512
 tokens, batch 8, a vocabulary of 8,192). For the step as written and for each stock
-``jax.checkpoint`` policy applied to the scan body (``jax.checkpoint`` / ``nnx.remat``
-with ``prevent_cse=False``), the compiled peak and roofline step time on the H100 target;
-then ``@jaxmem.optimize`` on the step as written (``Config(bitwise=False)``: a 32-bit
-step's scan bodies are planned only when bits may move, docs/scans.md) at each fraction
-of the unplanned peak, with its planning and compiling seconds. One JSON line per point
-and a table; compile-only, so every time is an estimate.
+``jax.checkpoint`` policy applied to every block (the scan body under ``jax.checkpoint`` /
+``nnx.remat`` with ``prevent_cse=False``; unrolled, each block call under
+``eqx.filter_checkpoint`` / ``nnx.remat``), the compiled peak and roofline step time on
+the H100 target; then ``@jaxmem.optimize`` on the step as written at each fraction of the
+unplanned peak and, with ``--at-peers``, at each stock policy's compiled bytes (the
+tightest budget that policy fits), with its planning and compiling seconds. Scanned steps
+are planned with ``Config(bitwise=False)`` (a 32-bit step's scan bodies are planned only
+when bits may move, docs/scans.md), unrolled ones under the default config
+(``--not-bitwise``: ``Config(bitwise=False)``). One JSON line per point and a table;
+compile-only, so every time is an estimate.
 
 Example::
 
     JAX_PLATFORMS=cpu python -m bench.experiments.third_party equinox 0.5,0.25
+    JAX_PLATFORMS=cpu python -m bench.experiments.third_party nnx '' --unrolled --at-peers
 """
 
 from __future__ import annotations
@@ -41,8 +47,11 @@ def _policy(name: str) -> Any:
                                                                        "pinned_host")}[name]
 
 
-def equinox_step(layers: int, policy: str | None) -> tuple[Callable[..., Any], tuple, tuple]:
-    """(step, args, donate_argnums): an Equinox GPT whose blocks run under ``lax.scan``."""
+def equinox_step(layers: int, policy: str | None, unrolled: bool = False
+                 ) -> tuple[Callable[..., Any], tuple, tuple]:
+    """(step, args, donate_argnums): an Equinox GPT whose blocks run under ``lax.scan``
+    (``unrolled``: a list of blocks called in a Python loop, each under
+    ``eqx.filter_checkpoint`` with the policy)."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -68,18 +77,26 @@ def equinox_step(layers: int, policy: str | None) -> tuple[Callable[..., Any], t
     class GPT(eqx.Module):
         embed: eqx.nn.Embedding
         pos: jax.Array
-        blocks: Block
+        blocks: Any
         norm: eqx.nn.LayerNorm
 
         def __init__(self, key):
             k = jax.random.split(key, 3)
             self.embed = eqx.nn.Embedding(VOCAB, D, key=k[0])
             self.pos = 0.02 * jax.random.normal(k[1], (SEQ, D))
-            self.blocks = eqx.filter_vmap(Block)(jax.random.split(k[2], layers))
+            keys = jax.random.split(k[2], layers)
+            self.blocks = [Block(k) for k in keys] if unrolled else eqx.filter_vmap(Block)(keys)
             self.norm = eqx.nn.LayerNorm(D)
 
         def __call__(self, tokens):
             x = jax.vmap(self.embed)(tokens) + self.pos
+            if unrolled:
+                call = _call
+                if policy is not None:
+                    call = eqx.filter_checkpoint(call, policy=_policy(policy))
+                for block in self.blocks:
+                    x = call(block, x)
+                return jax.vmap(self.norm)(x) @ self.embed.weight.T
             arrays, static = eqx.partition(self.blocks, eqx.is_array)
 
             def body(x, block):
@@ -106,8 +123,15 @@ def equinox_step(layers: int, policy: str | None) -> tuple[Callable[..., Any], t
     return step, (params, optimizer.init(params), tokens), (0, 1)
 
 
-def nnx_step(layers: int, policy: str | None) -> tuple[Callable[..., Any], tuple, tuple]:
-    """(step, args, donate_argnums): a Flax NNX GPT whose blocks run under ``nnx.scan``."""
+def _call(block: Any, x: Any) -> Any:
+    return block(x)
+
+
+def nnx_step(layers: int, policy: str | None, unrolled: bool = False
+             ) -> tuple[Callable[..., Any], tuple, tuple]:
+    """(step, args, donate_argnums): a Flax NNX GPT whose blocks run under ``nnx.scan``
+    (``unrolled``: an ``nnx.List`` of blocks called in a Python loop, each under
+    ``nnx.remat`` with the policy)."""
     import jax
     import optax
     from flax import nnx
@@ -136,10 +160,18 @@ def nnx_step(layers: int, policy: str | None) -> tuple[Callable[..., Any], tuple
             def make(rngs):
                 return Block(rngs)
 
-            self.blocks = make(rngs)
+            self.blocks = (nnx.List([Block(rngs) for _ in range(layers)]) if unrolled
+                           else make(rngs))
             self.ln = nnx.LayerNorm(D, rngs=rngs)
 
         def __call__(self, tokens):
+            if unrolled:
+                x = self.embed(tokens) + self.pos[...]
+                call = nnx.remat(_call, policy=_policy(policy)) if policy is not None else _call
+                for block in self.blocks:
+                    x = call(block, x)
+                return self.embed.attend(self.ln(x))
+
             def body(x, block):
                 return block(x)
 
@@ -168,40 +200,51 @@ STEPS = {"equinox": equinox_step, "nnx": nnx_step}
 
 
 def run(which: str, fractions: list[float], time_limit_s: float = 60.0,
-        layers: int = 12) -> list[dict]:
-    """The stock policies' records, then jaxmem's at each fraction of the unplanned peak."""
+        layers: int = 12, unrolled: bool = False, at_peers: bool = False,
+        bitwise: bool | str | None = None) -> list[dict]:
+    """The stock policies' records, then jaxmem's at each fraction of the unplanned peak
+    (and, ``at_peers``, at each stock policy's compiled bytes below it), under
+    ``Config(bitwise=bitwise)``; by default ``False`` for scanned steps, ``"auto"`` (the
+    default config) for unrolled ones."""
     import jaxmem
 
     records: list[dict] = []
+    variant = "unrolled" if unrolled else "scan"
 
     def report(rec: dict) -> None:
         records.append(rec)
         print(json.dumps(rec), flush=True)
 
-    none_bytes = 0
+    peers: dict[str, int] = {}
     for policy in (None, *STOCK):
-        fn, args, donate = STEPS[which](layers, policy)
+        fn, args, donate = STEPS[which](layers, policy, unrolled)
         measured = jaxmem.optimize(fn, config=jaxmem.Config(budget="1TiB", target="h100"),
                                    donate_argnums=donate).measure(*args)
-        if policy is None:
-            none_bytes = measured.device_bytes
-        report({"model": which, "layers": layers, "planner": policy or "none",
-                "device_bytes": measured.device_bytes, "host_bytes": measured.host_bytes,
-                "est_step_time_s": measured.est_step_time_s})
-    fn, args, donate = STEPS[which](layers, None)
-    for fraction in fractions:
-        budget = int(fraction * none_bytes)
+        peers[policy or "none"] = measured.device_bytes
+        report({"model": which, "variant": variant, "layers": layers,
+                "planner": policy or "none", "device_bytes": measured.device_bytes,
+                "host_bytes": measured.host_bytes, "est_step_time_s": measured.est_step_time_s})
+    budgets = [(f"{f:g} of none", int(f * peers["none"])) for f in fractions]
+    if at_peers:
+        budgets += [(f"{name}'s bytes", b) for name, b in peers.items()
+                    if name != "none" and b < peers["none"]]
+    if bitwise is None:
+        bitwise = "auto" if unrolled else False
+    fn, args, donate = STEPS[which](layers, None, unrolled)
+    for budget_of, budget in budgets:
         step = jaxmem.optimize(fn, donate_argnums=donate, config=jaxmem.Config(
-            budget=budget, target="h100", bitwise=False, time_limit_s=time_limit_s))
-        rec: dict = {"model": which, "layers": layers, "planner": "jaxmem",
-                     "fraction": fraction, "budget_bytes": budget, "time_limit_s": time_limit_s}
+            budget=budget, target="h100", bitwise=bitwise, time_limit_s=time_limit_s))
+        rec: dict = {"model": which, "variant": variant, "layers": layers,
+                     "planner": "jaxmem", "budget_of": budget_of, "budget_bytes": budget,
+                     "bitwise": bitwise, "time_limit_s": time_limit_s}
         started = time.perf_counter()
         try:
             verified = step.verified(*args)
             measured = step.measure(*args)
             rec.update(status=str(verified.plan.status), device_bytes=measured.device_bytes,
                        host_bytes=measured.host_bytes, est_step_time_s=measured.est_step_time_s,
-                       block_decisions=dict(verified.plan.block_decisions))
+                       block_decisions=dict(verified.plan.block_decisions),
+                       source=verified.plan.source or verified.plan.planner)
         except jaxmem.InfeasibleBudgetError as err:
             rec.update(status="infeasible", min_feasible_bytes=err.min_feasible_bytes)
         info = step.cache_info()
@@ -211,21 +254,38 @@ def run(which: str, fractions: list[float], time_limit_s: float = 60.0,
     return records
 
 
+def _fastest_fitting(records: list[dict], budget: int) -> str:
+    fits = [r for r in records if "budget_bytes" not in r and r["device_bytes"] <= budget]
+    if not fits:
+        return "–"
+    best = min(fits, key=lambda r: (r["est_step_time_s"], r["device_bytes"]))
+    return f"`{best['planner']}` {1e3 * best['est_step_time_s']:.1f}"
+
+
 def table(records: list[dict]) -> str:
-    """The records as a markdown table."""
-    lines = ["| step | budget MiB | device MiB | host MiB | est. ms | planning s | compiling s |",
-             "|---|---|---|---|---|---|---|"]
+    """The records as a markdown table (jaxmem's rows name the fastest stock policy that
+    fits their budget)."""
+    lines = ["| step | budget MiB | device MiB | host MiB | est. ms | fastest stock policy "
+             "that fits | planning s | compiling s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in records:
-        budget = f"{r['budget_bytes'] / _MiB:,.0f}" if "budget_bytes" in r else "–"
-        if r.get("status") == "infeasible":
-            lines.append(f"| {r['planner']} | {budget} | infeasible | – | – "
-                         f"| {r['planning_s']:.1f} | {r['compile_s']:.1f} |")
+        name = r["planner"] + (f" at {r['budget_of']}" if "budget_of" in r else "")
+        if "budget_bytes" not in r:
+            lines.append(f"| {name} | – | {r['device_bytes'] / _MiB:,.0f} "
+                         f"| {r['host_bytes'] / _MiB:,.0f} | {1e3 * r['est_step_time_s']:.1f} "
+                         f"| – | – | – |")
             continue
-        timing = (f"| {r['planning_s']:.1f} | {r['compile_s']:.1f} |" if "planning_s" in r
-                  else "| – | – |")
-        lines.append(f"| {r['planner']} | {budget} | {r['device_bytes'] / _MiB:,.0f} "
+        budget = f"{r['budget_bytes'] / _MiB:,.0f}"
+        rival = _fastest_fitting(records, r["budget_bytes"])
+        timing = f"| {r['planning_s']:.1f} | {r['compile_s']:.1f} |"
+        if r.get("status") == "infeasible":
+            smallest = r.get("min_feasible_bytes")
+            what = f"infeasible (smallest {smallest / _MiB:,.0f})" if smallest else "infeasible"
+            lines.append(f"| {name} | {budget} | {what} | – | – | {rival} " + timing)
+            continue
+        lines.append(f"| {name} | {budget} | {r['device_bytes'] / _MiB:,.0f} "
                      f"| {r['host_bytes'] / _MiB:,.0f} | {1e3 * r['est_step_time_s']:.1f} "
-                     + timing)
+                     f"| {rival} " + timing)
     return "\n".join(lines)
 
 
@@ -233,14 +293,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.experiments.third_party",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("model", choices=sorted(STEPS))
-    parser.add_argument("fractions", help="comma-separated fractions of the unplanned peak")
+    parser.add_argument("fractions", help="comma-separated fractions of the unplanned peak "
+                        "('' for none)")
     parser.add_argument("out", nargs="?", help="write the records to this JSON-lines file")
     parser.add_argument("--time-limit", type=float, default=60.0,
                         help="Config(time_limit_s=...) (default 60)")
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--unrolled", action="store_true",
+                        help="blocks in a Python loop, each under jax.checkpoint with the policy")
+    parser.add_argument("--at-peers", action="store_true",
+                        help="also plan at each stock policy's compiled bytes")
+    parser.add_argument("--not-bitwise", action="store_true",
+                        help="plan under Config(bitwise=False) (the default for scanned steps)")
     ns = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
-    records = run(ns.model, [float(f) for f in ns.fractions.split(",")], ns.time_limit,
-                  ns.layers)
+    fractions = [float(f) for f in ns.fractions.split(",") if f]
+    records = run(ns.model, fractions, ns.time_limit, ns.layers, ns.unrolled, ns.at_peers,
+                  False if ns.not_bitwise else None)
     if ns.out:
         with open(ns.out, "w") as out:
             out.writelines(json.dumps(r) + "\n" for r in records)
