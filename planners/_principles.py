@@ -76,6 +76,7 @@ from jaxmem.planners._folding import (
     without_reissues,
 )
 from jaxmem.planners._options import PlannerOptions, check_options
+from jaxmem.planners._shared import fused_segments_are_exact
 from jaxmem.plans import plan as plan_lib
 
 logger = logging.getLogger(__name__)
@@ -529,9 +530,13 @@ def principled(name: str, fn: Callable[..., plan_lib.Plan],
         bitwise = bool((options or {}).get("bitwise", True))
         bound = (None if cost_model is None else
                  bound_for(graph, budget_bytes, cost_model, options or {}, bitwise))
+        # A relaxed plan leaves its re-issues' first copies to XLA (Plan.bitwise) only on
+        # a 32-bit step: fused there, a 16-bit value rounds otherwise and its gradients
+        # can move further from the plain step than under jax.checkpoint.
+        emitted_bitwise = bitwise or not fused_segments_are_exact(graph)
 
         def exact(p: plan_lib.Plan) -> plan_lib.Plan:
-            p = made_exact(graph, p, cost_model, bitwise).replace(bitwise=bitwise)
+            p = made_exact(graph, p, cost_model, bitwise).replace(bitwise=emitted_bitwise)
             return p if bound is None else p.replace(time_bound_s=bound.time_s)
 
         return exact(plan).replace(alternatives=tuple(exact(a) for a in plan.alternatives))

@@ -187,6 +187,17 @@ def test_a_relaxed_plan_leaves_the_first_copies_to_xla():
     assert relaxed_kept == 0 and relaxed_barriered < barriered
 
 
+def test_a_relaxed_plan_of_a_16_bit_step_keeps_its_first_copies():
+    """On a bf16 step a relaxed plan still keeps the first copies written: fused, a 16-bit
+    value rounds otherwise, and the gradients could move further from the plain step than
+    under ``jax.checkpoint`` (tests/test_bitwise_auto.py)."""
+    zs = zoo.build("llama", "tiny", step="train")
+    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
+                    target="h100")
+    relaxed = registry.get("blocks").fn(g, 1, COST, {"bitwise": False})
+    assert relaxed.remat and relaxed.bitwise
+
+
 def test_fit_variant_recomputes_more_matmul_outputs_as_the_budget_falls():
     zs = zoo.build("gpt2", "tiny", step="train")
     g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,

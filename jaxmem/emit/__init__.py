@@ -13,8 +13,8 @@ dependencies through ``jax.lax.optimization_barrier``:
   with the values the next op of the order reads, so it is a fresh
   computation that cannot run before that op's inputs exist; a first copy the
   re-issue leaves with one reader stays a buffer, as in the plain step, unless
-  the plan is not bit-exact (``Plan.bitwise`` false: XLA then fuses it into
-  that reader, as it fuses ``jax.checkpoint``'s recomputation);
+  ``Plan.bitwise`` is false (a relaxed plan of a 32-bit step: XLA then fuses it
+  into that reader, as it fuses ``jax.checkpoint``'s recomputation);
 * **offload**: ``jax.device_put(x, Space.Host)`` right after ``x`` is produced;
   the host copy goes through a barrier with an input of the next op, so the
   copy completes there and the device buffer can die; the prefetch

@@ -197,9 +197,10 @@ class Plan:
       bitwise: whether the emitted step keeps the plain step's kernels (the default): a
         value whose re-issue leaves its first copy one reader stays a buffer, as in the
         plain step, so XLA cannot fuse it into that reader and sum in another order.
-        ``False`` for plans made under ``Config(bitwise=False)``: XLA then fuses such
-        copies as it fuses ``jax.checkpoint``'s (a recomputed softmax becomes one
-        kernel), for a faster step whose bits may move.
+        ``False`` for plans made under ``Config(bitwise=False)`` on a step without
+        16-bit floating-point values: XLA then fuses such copies as it fuses
+        ``jax.checkpoint``'s (a recomputed softmax becomes one kernel), for a faster
+        step whose bits may move.
       graph: the ``MemGraph`` the plan was made for, when known (a plan from
         ``step.plan(*args)`` of ``@jaxmem.optimize`` carries it; one read from
         JSON does not). Not part of equality, ``repr`` or JSON.
