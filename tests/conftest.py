@@ -1,5 +1,6 @@
-"""Test configuration: run on the CPU even where the CUDA plugin is installed, and mark the
-tests known to fail on current JAX (0.12) for a cause outside the test's control.
+"""Test configuration: run on the CPU even where the CUDA plugin is installed, keep the long
+cases of the default run's matrices for ``-m slow``, and mark the tests known to fail on
+current JAX (0.12) for a cause outside the test's control.
 
 On jax 0.12 (the newest end of the supported range) these fail for causes found and stated
 below; each is marked ``xfail`` there with its cause, and runs as usual on jax 0.10.2.
@@ -112,7 +113,64 @@ KNOWN_ON_CURRENT_JAX = {
 }
 
 
+# The long cases of the default run's matrices run under ``-m slow`` only, so that each leg
+# of CI stays within its time: each group's comment names what the default run keeps of it.
+LONG_CASES = [
+    # Every model compiles for every target: the default run keeps the MLP on both targets and
+    # llama's scanned gradient step and VGG-16's train step on h100.
+    *(f"tests/test_models.py::test_compiles_for_every_target[{case}"
+      for case in ("h100-vgg16-grad", "h100-resnet50-", "h100-unet-", "h100-gpt2-",
+                   "h100-llama-train", "h100-llama-grad", "h100-llama-scan-train", "h200-",
+                   "cpu-vgg16-", "cpu-resnet50-", "cpu-unet-", "cpu-gpt2-", "cpu-llama-")),
+    # Peers against no policy on the CPU: the MLP, VGG-16 and U-Net cases stay.
+    "tests/test_models.py::test_peer_policy_matches_none_on_cpu[gpt2-",
+    "tests/test_models.py::test_peer_policy_matches_none_on_cpu[llama-",
+    "tests/test_models.py::test_peer_policy_matches_none_on_cpu[resnet50-",
+    # Dropout keys: the unrolled gradient step stays; each layer's own mask (unrolled and
+    # scanned) is checked by test_each_layer_draws_its_own_mask.
+    "tests/test_models.py::test_dropout_draws_from_the_step_key[train-",
+    "tests/test_models.py::test_dropout_draws_from_the_step_key[grad-scan]",
+    "tests/test_models.py::test_llama_dropout_turns_on",
+    "tests/test_models.py::test_offload_policies_use_host_memory_on_h100[minimal_offloaded]",
+    "tests/test_models.py::test_offload_policies_use_host_memory_on_h100[qkv_proj_offloaded]",
+    # Offloads of the bf16 step keep its bits: vdnn_all stays.
+    "tests/test_literature_planners.py::test_offloads_of_a_bf16_step_keep_its_bits[qlearn]",
+    "tests/test_literature_planners.py::test_offloads_of_a_bf16_step_keep_its_bits[vdnn_dynamic]",
+    "tests/test_literature_planners.py::test_fused_segments_are_exact_on_32_bit_steps_and_"
+    "close_on_16_bit_ones[llama-",
+    # The scanned zoo GPT's block plan: test_plan_blocks_meets_the_budget_when_compiled stays.
+    "tests/test_scan.py::test_zoo_scan_model_with_the_jaxmem_policy_gets_a_block_plan_within_",
+    # Emitted plans on the CPU: the MLP and VGG-16 (blocks), gpt2's keep_matmuls and the MLP
+    # (matmuls), the MLP (emit) stay.
+    "tests/test_blocks.py::test_emitted_blocks_plan_is_bitwise_equal_on_the_cpu[resnet50]",
+    "tests/test_blocks.py::test_emitted_blocks_plan_is_bitwise_equal_on_the_cpu[gpt2]",
+    "tests/test_matmuls.py::test_emitted_plan_is_bitwise_equal_on_the_cpu[gpt2-keep_matmuls_",
+    "tests/test_matmuls.py::test_emitted_plan_is_bitwise_equal_on_the_cpu[resnet50-",
+    "tests/test_emit.py::test_planned_train_step_is_bitwise_equal[gpt2-all]",
+    "tests/test_emit.py::test_planned_train_step_is_bitwise_equal[resnet50-all]",
+    "tests/test_host_update.py::test_host_updated_step_is_bitwise_equal_on_the_cpu[gpt2]",
+    "tests/test_placement.py::test_placed_step_is_bitwise_equal_and_returns_the_state_on_host"
+    "[gpt2-",
+    # One value re-issued alone: the Haiku and linen steps stay.
+    "tests/test_exactness_corpus_reissues.py::test_value_reissued_for_its_weight_gradient_"
+    "keeps_the_bits[equinox_gpt_block]",
+    "tests/test_exactness_layernorm_variance.py::test_mean_sum_reissued_for_the_variance_"
+    "gradient_keeps_the_bits[equinox_gpt_block]",
+    "tests/test_prng_keys.py::test_dropout_plans_recompute_masks_and_keep_the_bits[greedy-",
+    "tests/test_simulate.py::test_prediction_is_close_to_the_compiled_step[gpt2-small-",
+    # The CLI's per-mode measurement: test_infeasible_budget_is_recorded_with_the_smallest_
+    # feasible stays.
+    "tests/test_placement_batch.py::test_cli_measures_each_mode_on_h100",
+    # A plain NNX step planned at half its peak: test_block_detection's NNX GPT stays.
+    "tests/test_nnx_steps.py::test_a_plain_nnx_step_plans_at_half_its_unplanned_peak_on_h100",
+]
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m selection reads the marks
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.nodeid.startswith(p) for p in LONG_CASES):
+            item.add_marker(pytest.mark.slow)
     if not CURRENT_JAX:
         return
     for item in items:

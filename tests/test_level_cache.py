@@ -56,7 +56,7 @@ def test_each_level_bounds_what_plans_contain(monkeypatch, level, remat, offload
     monkeypatch.setenv("JAXMEM_LEVEL", level)
     # The config forbids everything; the level overrides it.
     config = jaxmem.Config(budget="6MiB", target="h100", allow_remat=False, allow_offload=False,
-                           allow_reorder=False)
+                           allow_reorder=False, time_limit_s=5)
     effective = effective_config(config, level_lib.read())
     assert (effective.allow_remat, effective.allow_offload) == (remat, offload)
     assert effective.allow_reorder and effective.allow_state_offload == (level == "4")
