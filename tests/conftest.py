@@ -141,7 +141,7 @@ LONG_CASES = [
     # The scanned zoo GPT's block plan: test_plan_blocks_meets_the_budget_when_compiled stays.
     "tests/test_scan.py::test_zoo_scan_model_with_the_jaxmem_policy_gets_a_block_plan_within_",
     # Emitted plans on the CPU: the MLP and VGG-16 (blocks), gpt2's keep_matmuls and the MLP
-    # (matmuls), the MLP (emit) stay.
+    # (matmuls), the MLP's remat, offload and reorder plans (emit) stay.
     "tests/test_blocks.py::test_emitted_blocks_plan_is_bitwise_equal_on_the_cpu[resnet50]",
     "tests/test_blocks.py::test_emitted_blocks_plan_is_bitwise_equal_on_the_cpu[gpt2]",
     "tests/test_matmuls.py::test_emitted_plan_is_bitwise_equal_on_the_cpu[gpt2-keep_matmuls_",
@@ -151,7 +151,7 @@ LONG_CASES = [
     "tests/test_host_update.py::test_host_updated_step_is_bitwise_equal_on_the_cpu[gpt2]",
     "tests/test_placement.py::test_placed_step_is_bitwise_equal_and_returns_the_state_on_host"
     "[gpt2-",
-    # One value re-issued alone: the Haiku and linen steps stay.
+    # One value re-issued alone: the Equinox MLP and the Haiku attention step stay.
     "tests/test_exactness_corpus_reissues.py::test_value_reissued_for_its_weight_gradient_"
     "keeps_the_bits[equinox_gpt_block]",
     "tests/test_exactness_layernorm_variance.py::test_mean_sum_reissued_for_the_variance_"
