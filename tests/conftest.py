@@ -130,7 +130,7 @@ LONG_CASES = [
     # scanned) is checked by test_each_layer_draws_its_own_mask.
     "tests/test_models.py::test_dropout_draws_from_the_step_key[train-",
     "tests/test_models.py::test_dropout_draws_from_the_step_key[grad-scan]",
-    "tests/test_models.py::test_llama_dropout_turns_on",
+    # Offload policies use host memory: offload_dots_no_batch stays.
     "tests/test_models.py::test_offload_policies_use_host_memory_on_h100[minimal_offloaded]",
     "tests/test_models.py::test_offload_policies_use_host_memory_on_h100[qkv_proj_offloaded]",
     # Offloads of the bf16 step keep its bits: vdnn_all stays.
@@ -138,8 +138,6 @@ LONG_CASES = [
     "tests/test_literature_planners.py::test_offloads_of_a_bf16_step_keep_its_bits[vdnn_dynamic]",
     "tests/test_literature_planners.py::test_fused_segments_are_exact_on_32_bit_steps_and_"
     "close_on_16_bit_ones[llama-",
-    # The scanned zoo GPT's block plan: test_plan_blocks_meets_the_budget_when_compiled stays.
-    "tests/test_scan.py::test_zoo_scan_model_with_the_jaxmem_policy_gets_a_block_plan_within_",
     # Emitted plans on the CPU: the MLP and VGG-16 (blocks), gpt2's keep_matmuls and the MLP
     # (matmuls), the MLP's remat, offload and reorder plans (emit) stay.
     "tests/test_blocks.py::test_emitted_blocks_plan_is_bitwise_equal_on_the_cpu[resnet50]",
@@ -158,24 +156,23 @@ LONG_CASES = [
     "gradient_keeps_the_bits[equinox_gpt_block]",
     "tests/test_prng_keys.py::test_dropout_plans_recompute_masks_and_keep_the_bits[greedy-",
     "tests/test_simulate.py::test_prediction_is_close_to_the_compiled_step[gpt2-small-",
-    # The CLI's per-mode measurement: test_infeasible_budget_is_recorded_with_the_smallest_
-    # feasible stays.
-    "tests/test_placement_batch.py::test_cli_measures_each_mode_on_h100",
-    # A plain NNX step planned at half its peak: test_block_detection's NNX GPT stays.
-    "tests/test_nnx_steps.py::test_a_plain_nnx_step_plans_at_half_its_unplanned_peak_on_h100",
 ]
+
+
+def _named(item, prefixes) -> bool:
+    return any(item.nodeid.startswith(p) for p in prefixes)
 
 
 @pytest.hookimpl(tryfirst=True)  # before the -m selection reads the marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if any(item.nodeid.startswith(p) for p in LONG_CASES):
+        if _named(item, LONG_CASES):
             item.add_marker(pytest.mark.slow)
     if not CURRENT_JAX:
         return
     for item in items:
         for reason, prefixes in KNOWN_ON_CURRENT_JAX.items():
-            if any(item.nodeid.startswith(p) for p in prefixes):
+            if _named(item, prefixes):
                 # Not strict: which plans a time-limited planner keeps, and so whether a
                 # cause shows, depends on the machine's load.
                 item.add_marker(pytest.mark.xfail(strict=False, reason=f"jax 0.12: {reason}"))

@@ -298,6 +298,8 @@ def test_dropout_draws_from_the_step_key(scan: bool, step: str) -> None:
     assert _loss(off, other_key) == _loss(off, off.make_args(0))
 
 
+# Long: test_each_layer_draws_its_own_mask checks dropout's masks in the default run.
+@pytest.mark.slow
 def test_llama_dropout_turns_on() -> None:
     zs = _step("llama", True, "train", dropout=0.1)
     assert _loss(zs, zs.make_args(0)) != _loss(zs, (*zs.make_args(0)[:-1], jax.random.key(7)))

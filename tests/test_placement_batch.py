@@ -87,6 +87,8 @@ def test_llama_workload_at_the_zoo_width_is_the_zoo_bench_model() -> None:
         assert (a.shape, a.dtype) == (b.shape, b.dtype)
 
 
+# Long: the default run keeps test_infeasible_budget_is_recorded_with_the_smallest_feasible.
+@pytest.mark.slow
 def test_cli_measures_each_mode_on_h100(tmp_path) -> None:
     assert pb.main(["mlp", "--size", "tiny", "--batches", "8", "--modes", "none,opt_state",
                     "--out", str(tmp_path)]) == 0

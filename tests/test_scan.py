@@ -392,6 +392,8 @@ def test_plan_carries_block_decisions_through_json_and_to_policy():
     assert custom == {"query_proj": "device", "mlpwi": "offload"}
 
 
+# Long: the default run keeps test_plan_blocks_meets_the_budget_when_compiled.
+@pytest.mark.slow
 def test_zoo_scan_model_with_the_jaxmem_policy_gets_a_block_plan_within_budget():
     """Flax makes the block policy while tracing: optimize must still find the planned blocks."""
     import jaxmem
