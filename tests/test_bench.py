@@ -354,3 +354,24 @@ def test_third_party_unrolled_gpts_wrap_each_block_and_have_one_block_per_layer(
     g = build_graph(fn, *args, donate_argnums=donate, target="h100")
     plan = _registry.get("blocks").fn(g, 1, CostModel.for_target("h100"), {})
     assert plan.notes[0].startswith(f"{layers} blocks"), plan.notes[0]
+
+
+def test_bf16_ulps_measures_a_leaf_that_is_zero_at_its_parts_precision_in_that_parts_ulps():
+    import numpy as np
+
+    from bench.bf16 import bf16_ulps
+
+    # One bf16 ulp of 1.0 is 2**-7; of 0.5, 2**-8.
+    plain = (np.float32(3.0), {"w": np.array([1.0, -0.25]), "v": np.array([0.5]),
+                               "key_bias": np.array([1e-6, -2e-6])})
+    assert bf16_ulps(plain, plain) == 0.0
+    # A leaf above one ulp of its part's largest value keeps its own ulps.
+    v_off = (plain[0], {**plain[1], "v": np.array([0.5 + 2 * 2**-8])})
+    assert bf16_ulps(v_off, plain) == 2.0
+    # Rounding noise on a gradient that is zero at the gradients' precision: hundreds of
+    # its own ulps, a fraction of one of the largest gradient's.
+    noisy = (plain[0], {**plain[1], "key_bias": np.array([3e-6, -1e-6])})
+    assert bf16_ulps(noisy, plain) == pytest.approx(2e-6 / 2**-7)
+    # The loss is a part of its own: its ulps are its own, not the gradients'.
+    loss_off = (np.float32(3.0 + 2**-6), plain[1])
+    assert bf16_ulps(loss_off, plain) == 1.0
