@@ -169,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         stock, device = {}, {}
         for policy, (pfn, pdraws) in variants.items():
             device[policy] = jaxmem.measure(pfn, *pdraws[0], target="h100").device_bytes
-            stock[policy], each = _worst(jax.jit(pfn), pdraws, plain)
-            held, _ = _worst(_rounded_as_written(jax.jit(pfn).lower(*pdraws[0])), pdraws,
-                             exact)
+            jitted = jax.jit(pfn)
+            stock[policy], each = _worst(jitted, pdraws, plain)
+            held, _ = _worst(_rounded_as_written(jitted.lower(*pdraws[0])), pdraws, exact)
             print(f"| {step_name} | {policy} | {device[policy] / 2**20:,.3f} | "
                   f"{stock[policy]:.2f} | {_each(each)} | {held:.2f} |", flush=True)
         furthest = max(stock.values())
