@@ -224,6 +224,20 @@ def blocks(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
                   order=res.order, remat=remat, notes=[note], log=logger)
 
 
+def block_boundaries(forward: Sequence[int], found: Sequence[tuple[str, list[int]]],
+                     cuts: tuple[tuple[int, frozenset[int]], ...]) -> frozenset[int]:
+    """The buffers kept at the blocks' boundaries: the cut at each block's start (its input)
+    and after the last block (its output, which a loss head reads; re-issued, it would
+    recompute the last block before the loss head's backward pass, beside the head's
+    buffers: Llama's 8 GiB logits gradient, which XLA allocates early; jax.checkpoint keeps
+    it too). ``cuts``: :func:`~jaxmem.planners._shared.forward_cuts` of ``forward``."""
+    starts = {ops[0] for _, ops in found}
+    last = found[-1][1][-1]
+    return frozenset().union(*(cuts[i - 1][1] for i, op in enumerate(forward)
+                               if op in starts and i > 0),
+                             *(cuts[i][1] for i, op in enumerate(forward) if op == last))
+
+
 def _kept(graph: MemGraph, res: Residuals, cost_model: CostModel, forward: list[int],
           found: list[tuple[str, list[int]]], opts: BlocksOptions,
           cuts: tuple[tuple[int, frozenset[int]], ...]) -> frozenset[int]:
@@ -236,15 +250,7 @@ def _kept(graph: MemGraph, res: Residuals, cost_model: CostModel, forward: list[
     (keeping Llama's 16 MiB keys and values cost 512 MiB over 16 layers).
     """
     in_block = {op for _, ops in found for op in ops}
-    starts = {ops[0] for _, ops in found}
-    last = found[-1][1][-1]
-    # The cut at each block's start (its input) and after the last block: its output,
-    # which a loss head reads. Re-issued, it would recompute the last block before the
-    # loss head's backward pass, beside the head's buffers (Llama: an 8 GiB logits
-    # gradient that XLA allocates early). jax.checkpoint keeps it too.
-    boundary = set().union(*(cuts[i - 1][1] for i, op in enumerate(forward)
-                             if op in starts and i > 0),
-                           *(cuts[i][1] for i, op in enumerate(forward) if op == last))
+    boundary = block_boundaries(forward, found, cuts)
     prof = profile(graph, res, cost_model, small_fraction=opts.small_fraction,
                    short_lifetime=opts.short_lifetime, among=boundary or None, cuts=cuts)
     keep = set(prof.forced) | boundary

@@ -22,7 +22,9 @@ How it runs, within ``time_limit_s``:
    re-issued or offloaded) fits under the simulator, it is returned at once with
    status ``"ok"`` and gap 0: every plan runs each op at least once, so no plan
    is estimated faster.
-1. **Warm start.** Program order and the plans of the heuristic planners
+1. **Blocks** (``block_solve``, with ``allow_remat``): the step solved over its repeated
+   layers by CP-SAT (:mod:`._block_solve`), a plan of the solver's own, as step 3's is.
+   **Warm start.** Program order and the plans of the heuristic planners
    (by default ``chen``, ``keep_matmuls`` and ``keep_matmuls_no_batch``, ``blocks``
    with each of its ``save`` choices, then the searches ``keep_matmuls_fit``,
    ``greedy`` and ``sublinear``) are mapped onto the coarse problem and
@@ -108,7 +110,7 @@ import logging
 import time
 from typing import Any, Mapping, Sequence
 
-from jaxmem.planners import _cpsat_model
+from jaxmem.planners import _block_solve, _cpsat_model
 from jaxmem.planners._cpsat_hint import repair
 from jaxmem.planners._cpsat_problem import Evaluation, Schedule, evaluate
 from jaxmem.planners._estimate import estimate_time_s
@@ -173,6 +175,7 @@ class CpsatOptions(PlannerOptions):
       deterministic_time_s: CP-SAT's deterministic time for steps 2 and 3 together
         (``None``: half of ``time_limit_s``).
       tie_blocks: equal decisions for items at the same place of repeated layers.
+      block_solve: solve the step over its repeated layers too (step 1).
       min_decision_bytes: buffers smaller than this are always kept (``None``:
         ``budget / 2000``: fewer variables, little memory left on the table).
       heuristics: registered planners, run in this order, whose plans warm-start the
@@ -189,6 +192,7 @@ class CpsatOptions(PlannerOptions):
     deterministic: bool = True
     deterministic_time_s: float | None = None
     tie_blocks: bool = False
+    block_solve: bool = True
     min_decision_bytes: int | None = None
     # one simulation each first (their plans do not depend on the budget: a re-plan of
     # the verify loop reuses them), then the searches, which share what is left
@@ -385,6 +389,8 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
                    f"re-issue or offload, and no plan is estimated faster; not solved",))
     # _choose scores the solver's plan as plain was scored: keep that much time for it
     score_s = time.perf_counter() - started
+    block = _solve_blocks(graph, budget_bytes, cost_model, opts, notes,
+                          started + _HEURISTIC_SHARE * float(opts.time_limit_s))
     heur = _heuristics(graph, budget_bytes, cost_model, opts, notes, plain, started)
     c = coarsen(graph, budget_bytes, cost_model, max_nodes=int(opts.max_nodes),
                 reserve_bytes=int(opts.reserve_bytes), allow_remat=opts.allow_remat,
@@ -423,13 +429,26 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
             time_limit_s=limit, deterministic_time_s=opts.deterministic_time_s,
             num_workers=int(opts.num_workers), seed=int(opts.seed),
             deterministic=opts.deterministic)
-    return _choose(graph, budget_bytes, cost_model, c, result, heur, notes, started, opts)
+    return _choose(graph, budget_bytes, cost_model, c, result, heur, notes, started, opts, block)
+
+
+def _solve_blocks(graph: Any, budget_bytes: int, cost_model: Any, opts: CpsatOptions,
+                  notes: list[str], deadline: float) -> tuple[_Scored, str] | None:
+    """The block-level solve's plan (:func:`._block_solve.solve_reported`), scored."""
+    solved = opts.block_solve and _block_solve.solve_reported(
+        graph, budget_bytes, cost_model, notes, opts, deadline)
+    if not solved or (p := solved.plan) is None:
+        return None
+    return _Scored(_block_solve.NAME, p, p.predicted_peak_bytes, p.predicted_time_s or 0.0), \
+        solved.status
 
 
 def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
             result: _cpsat_model.SolveResult | None, heur: list[_Scored], notes: list[str],
-            started: float, opts: CpsatOptions) -> plan_lib.Plan:
-    """The fastest plan that fits, the solver's preferred; else the lowest peak.
+            started: float, opts: CpsatOptions, block: tuple[_Scored, str] | None = None
+            ) -> plan_lib.Plan:
+    """The fastest plan that fits, the solver's preferred (the coarse model's or the
+    block-level solve's, ``block`` with its status); else the lowest peak.
 
     With ``allow_state_offload``, when no plan fits without placing state (greedy's
     may fit with), state is placed on pinned host on top of the solver's plan and of
@@ -447,11 +466,12 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
         notes.append(f"solver's model: step time {result.time * c.tick_s:.4g} s, peak "
                      f"{result.peak * c.unit_bytes + c.fixed_bytes:,} B (it counts memory per "
                      f"node, so at or above the simulator's)")
-    fits = [s for s in ([solver] if solver else []) + heur if s.peak_bytes <= budget_bytes]
+    mine = ([solver] if solver else []) + ([block[0]] if block else [])
+    fits = [s for s in mine + heur if s.peak_bytes <= budget_bytes]
     if opts.allow_state_offload and all(s.plan.placement for s in fits):
         heur = heur + _with_state_placed(graph, budget_bytes, cost_model, opts, solver, heur,
                                          notes)
-        fits = [s for s in ([solver] if solver else []) + heur if s.peak_bytes <= budget_bytes]
+        fits = [s for s in mine + heur if s.peak_bytes <= budget_bytes]
     lower = gap = None
     if result is not None and result.time_bound is not None and result.time:
         lower = result.time_bound * c.tick_s
@@ -461,8 +481,13 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
         # times equal up to float rounding (sums in another order) tie: lower peak, then solver
         fastest = min(s.time_s for s in fits) * (1 + _TIME_RTOL)
         best = min((s for s in fits if s.time_s <= fastest),
-                   key=lambda s: (s.peak_bytes, s is not solver))
-        if best is solver:
+                   key=lambda s: (s.peak_bytes, all(s is not m for m in mine)))
+        if block is not None and best is block[0]:
+            status, solver_status = "ok", block[1]
+            lower = gap = None
+            notes.append(f"the block-level solve's plan is kept (status {block[1]}; the "
+                         f"step's bound is time_bound_s)")
+        elif best is solver:
             status = "ok"
             assert result is not None
             solver_status = result.status
@@ -481,10 +506,14 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
                    if solver.peak_bytes > budget_bytes else
                    f"the solver's plan is estimated slower ({solver.time_s:.4g} s vs "
                    f"{best.time_s:.4g} s)")
+            if block is not None:
+                why += "; the block-level solve's plan " + (
+                    f"is estimated slower ({block[0].time_s:.4g} s)"
+                    if block[0].peak_bytes <= budget_bytes else "exceeds the budget")
             status, fallback_reason = "fallback", why
             lower = gap = None
     else:
-        pool = ([solver] if solver else []) + heur
+        pool = mine + heur
         best = min(pool, key=lambda s: (s.peak_bytes, s.time_s))
         status = "over_budget"
         notes.append(f"no plan fits: the lowest simulated peak is {best.peak_bytes:,} B "
@@ -495,17 +524,19 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
             lower = gap = None
         elif result is not None:
             solver_status = result.status
-    for s in ([solver] if solver else []) + heur:
+        if block is not None and best is block[0]:
+            solver_status = block[1]
+    for s in mine + heur:
         notes.append(f"candidate {s.name}: simulated peak {s.peak_bytes:,} B, estimated "
                      f"{s.time_s:.4g} s")
-    loose = _loose([s for s in ([solver] if solver else []) + heur
+    loose = _loose([s for s in mine + heur
                     if s.plan.decisions() != best.plan.decisions()],
                    budget_bytes, verify_budget_bytes, not fits, best.time_s)
-    solver_own = None if solver is None or result is None else (
-        solver, *solver_bound, result.status)
+    own = ([] if solver is None or result is None else [(solver, *solver_bound, result.status)]
+           ) + ([(block[0], None, None, block[1])] if block else [])
     candidates = tuple(plan_lib.Candidate(s.name, s.peak_bytes, s.time_s)
-                       for s in ([solver] if solver else []) + heur)
-    alternatives = _alternatives(best, fits, budget_bytes, started, notes, loose, solver_own,
+                       for s in mine + heur)
+    alternatives = _alternatives(best, fits, budget_bytes, started, notes, loose, own,
                                  candidates)
     if alternatives:
         notes.append("alternatives for the verify loop to compile: " + ", ".join(
@@ -576,27 +607,27 @@ def _loose(pool: list[_Scored], budget_bytes: int, given: int | None,
 
 def _alternatives(best: _Scored, fits: list[_Scored], budget_bytes: int, started: float,
                   notes: list[str], loose: Sequence[tuple[_Scored, str]] = (),
-                  solver: tuple[_Scored, float | None, float | None, str] | None = None,
+                  own: Sequence[tuple[_Scored, float | None, float | None, str]] = (),
                   candidates: tuple[plan_lib.Candidate, ...] = ()
                   ) -> tuple[plan_lib.Plan, ...]:
     """Other fitting candidates close to ``best`` in estimated time, fastest first; then
-    ``loose`` (see :func:`_loose`). ``solver``: the solver's candidate with its lower
-    bound, gap and CP-SAT status; as an alternative it keeps them (status ``"ok"``), where
+    ``loose`` (see :func:`_loose`). ``own``: the solvers' candidates with their lower
+    bound, gap and CP-SAT status; as an alternative each keeps them (status ``"ok"``), where
     a heuristic's plan is a ``"fallback"``."""
     seen = {best.plan.decisions()}
     out = []
 
     def add(s: _Scored, why: str) -> None:
         seen.add(s.plan.decisions())
-        own = solver is not None and s is solver[0]
-        if solver is not None and own:
-            status, lower, gap, solver_status = ("ok", *solver[1:])
+        mine = next((o for o in own if o[0] is s), None)
+        if mine is not None:
+            status, lower, gap, solver_status = ("ok", *mine[1:])
         else:
             status, lower, gap, solver_status = ("fallback", None, None, "")
         out.append(s.plan.replace(
             planner=NAME, budget_bytes=budget_bytes, predicted_peak_bytes=s.peak_bytes,
             predicted_time_s=s.time_s, status=status, source=s.name,
-            fallback_reason="" if own else "an alternative to the chosen plan",
+            fallback_reason="" if mine else "an alternative to the chosen plan",
             solver_status=solver_status, candidates=candidates,
             solve_time_s=time.perf_counter() - started, lower_bound=lower, gap=gap,
             bound_unit="s", notes=(*notes, f"alternative: {s.name} (simulated peak "

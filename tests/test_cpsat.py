@@ -421,9 +421,10 @@ def test_over_budget_and_fallback_are_reported():
     assert any("more than the budget" in n for n in tiny.notes)
     assert tiny.predicted_peak_bytes == plan_lib.simulate_plan(g, tiny).peak_bytes
     # one coarse node holds every buffer at once: the model cannot fit below the program
-    # order's peak, so a heuristic plan that does is returned as a fallback
+    # order's peak, so a heuristic plan that does is returned as a fallback (without the
+    # block-level solve, whose plan fits too)
     budget = unplanned_peak(g) * 9 // 10
-    planned = plan_cpsat(g, budget, H100, dict(FAST, max_nodes=1))
+    planned = plan_cpsat(g, budget, H100, dict(FAST, max_nodes=1, block_solve=False))
     assert planned.status == "fallback" and "no schedule" in planned.fallback_reason
     assert planned.predicted_peak_bytes <= budget
     assert planned.lower_bound is None and planned.gap is None
@@ -593,7 +594,7 @@ def test_the_solvers_plan_handed_over_as_an_alternative_keeps_its_status_and_bou
 
     best, solver, other = cand("greedy", 90, 1.0), cand("cpsat", 80, 1.004), cand("chen", 70, 1.006)
     mine, theirs = _alternatives(best, [best, solver, other], 100, 0.0, [], (),
-                                 (solver, 0.9, 0.1, "feasible"))
+                                 [(solver, 0.9, 0.1, "feasible")])
     assert (mine.status, mine.lower_bound, mine.gap) == ("ok", 0.9, 0.1)
     assert (mine.source, mine.solver_status, mine.fallback_reason) == ("cpsat", "feasible", "")
     assert theirs.status == plan_lib.Status.FALLBACK and theirs.source == "chen"
@@ -620,7 +621,7 @@ def test_the_heuristics_share_the_time_limit_and_those_not_reached_are_named(mon
     [skipped] = [n for n in plan.notes if n.startswith("heuristics skipped")]
     assert ran and ran[0].startswith("heuristic 'chen'")
     assert "'sublinear'" in skipped and "may not repeat exactly" in skipped
-    own = ("cpsat", "program order")
+    own = ("cpsat", "cpsat:blocks", "program order")
     assert [c.name for c in plan.candidates if c.name not in own] == ["chen"]
     roomy = plan_cpsat(g, budget, H100, FAST)
     assert not any(n.startswith("heuristics skipped") for n in roomy.notes)

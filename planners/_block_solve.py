@@ -1,0 +1,435 @@
+"""The step solved over its repeated blocks: CP-SAT per distinct block, then per step.
+
+``cpsat``'s coarse model merges a 7,000-op step into 60 nodes and loses the detail that
+decides which residuals are worth keeping; the heuristics keep that detail but decide by
+rules (one role in every layer at a time). This solve keeps both, as Rockmate and
+Checkmate teach, in two levels:
+
+1. **Each distinct block, once, at full detail.** The repeated layers are found as
+   ``blocks`` finds them (:func:`~jaxmem.planners.blocks.detect_blocks`); instances with
+   the same ops on the same shapes form a class. For one instance of each class a CP-SAT
+   model decides, for every residual its forward ops make (a *candidate*: re-issuable,
+   not kept by every plan anyway), whether the block keeps it to its backward pass or
+   re-issues it, and which of its forward ops run again: a dropped residual's producer
+   runs again, and an op that runs again reads each of its inputs made in the block
+   either where it is kept or from its producer run again (a value only the forward pass
+   reads is always made again: it is not kept). Minimizing the time of the ops run
+   again (priced as the step-time estimate prices re-issues: one XLA fuses into its
+   readers costs its arithmetic only) under a cap on the kept bytes, for caps from
+   everything kept to the least the block can keep, gives the class's *strategies*: a
+   Pareto set of (kept bytes, recompute time), each proven optimal in the model's terms
+   or marked as not.
+2. **The step, over the instances.** A second CP-SAT model picks one strategy per
+   instance (instances of a class may differ) to minimize the total recompute time with
+   the step's memory within the budget: the memory of the plan that keeps everything
+   (the step as written, simulated) is split into *windows*, each block's forward ops,
+   the stretch from the last block's forward to its backward (the loss head), each
+   block's backward, and the rest; in each window the bytes a strategy frees are
+   counted for the blocks whose residuals are held there: the blocks before it (in the
+   forward pass and in a block's backward, which recomputes its own). Every window must
+   come within the budget.
+
+The strategies become one plan (the re-issues :func:`~jaxmem.planners._shared.remat_points`
+places, less those the exactness rules take back), which the simulator judges. The windows
+do not see everything (a re-issue's inputs alive beside it, a re-issue the rules took
+back), so where the plan misses the budget each window gets a correction, what the
+simulator found in it less what the model predicted for that choice (never lowered), and
+the step model is solved again: at most :data:`ROUNDS` rounds, the first plan that fits
+kept (a later round's windows are no looser). The work is fixed by the inputs (CP-SAT's
+deterministic time, the rounds) unless ``deadline`` stops it, which the note then says:
+a step gets the same plan on any machine with time to spare.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import time
+from typing import Mapping, Sequence
+
+from ortools.sat.python import cp_model
+
+from jaxmem.analysis import simulate
+from jaxmem.analysis.memgraph import MemGraph
+from jaxmem.cost.costmodel import CostModel
+from jaxmem.planners._options import PlannerOptions
+from jaxmem.planners._principles import made_exact, never_reissued
+from jaxmem.planners._repeats import signatures
+from jaxmem.planners._shared import (
+    Residuals,
+    computed_by,
+    find_residuals,
+    finish,
+    forward_cuts,
+    fused_segments,
+    out_of_time,
+    profile,
+    reissuable,
+    remat_points,
+)
+from jaxmem.planners.blocks import block_boundaries, detect_blocks
+from jaxmem.plans import plan as plan_lib, schedule
+
+logger = logging.getLogger(__name__)
+
+NAME = "cpsat:blocks"
+# Caps per class between the least it can keep and everything (the Pareto set's size).
+CAPS = 12
+# Simulations of the step's plan while the step model's limit is corrected.
+ROUNDS = 6
+# CP-SAT's deterministic seconds per block solve and per step solve.
+BLOCK_DETERMINISTIC_S = 1.0
+STEP_DETERMINISTIC_S = 4.0
+# Model units: memory in KiB, time in 10 ns.
+_KIB = 1024
+_TICK_S = 1e-8
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """What one block keeps and recomputes.
+
+    Attributes:
+      dropped: indices into the class's candidates that are re-issued.
+      kept_bytes: candidate bytes kept to the backward pass.
+      time_s: estimated seconds of the ops run again.
+      optimal: CP-SAT proved it the fastest under its cap.
+    """
+
+    dropped: tuple[int, ...]
+    kept_bytes: int
+    time_s: float
+    optimal: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Solved:
+    """The block-level solve's plan, or why there is none.
+
+    Attributes:
+      plan: the plan (scored by the simulator), or None.
+      status: ``"OPTIMAL"`` when every block strategy and the last step model were proven
+        optimal in their models' terms, else ``"FEASIBLE"``; ``""`` without a plan.
+      note: what was solved, or why nothing was.
+    """
+
+    plan: plan_lib.Plan | None
+    status: str
+    note: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    ops: tuple[int, ...]
+    candidates: tuple[int, ...]   # residuals it may re-issue, by (op index, output) order
+    klass: int
+
+
+def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
+          bitwise: bool = True, seed: int = 0, deadline: float | None = None) -> Solved:
+    """The block-level plan of ``graph`` under ``budget_bytes`` (module docstring).
+
+    ``deadline`` (a ``time.perf_counter()`` value): no block solve or round of the step
+    model starts after it, and the note says so.
+    """
+    started = time.perf_counter()
+    res = find_residuals(graph, fused=fused_segments(graph, bitwise))
+    forward = [op for op in res.order if graph.ops[op].phase == "forward"]
+    cuts = forward_cuts(graph, res)
+    found = detect_blocks(graph, res, forward, cuts).found
+    if len(found) < 2:
+        return Solved(None, "", "block solve: no repeated blocks")
+    blocks = _blocks(graph, res, cost_model, forward, cuts, found, bitwise)
+    if not any(b.candidates for b in blocks):
+        return Solved(None, "", "block solve: no block has a residual it may re-issue")
+    strategies: dict[int, list[Strategy]] = {}
+    stopped: list[str] = []
+    for b in blocks:
+        if b.klass not in strategies:
+            if out_of_time(deadline, stopped, "the block-level solve stopped before its "
+                                              "blocks were solved"):
+                return Solved(None, "", "block solve: " + stopped[0])
+            strategies[b.klass] = block_strategies(graph, res, cost_model, b, seed)
+    marks = _marks(res, blocks)
+    base = _window_live(graph, res, plan_lib.unplanned(graph), marks)
+    never = never_reissued(graph, bitwise)
+
+    def plan_of(choice: Sequence[int]) -> plan_lib.Plan:
+        dropped = [b.candidates[i] for b, s in zip(blocks, choice)
+                   for i in strategies[b.klass][s].dropped]
+        remat, _ = remat_points(graph, res, dropped)
+        remat = {t: at for t, at in remat.items() if t not in never}
+        draft = plan_lib.unplanned(graph).replace(order=res.order, remat=remat)
+        exact = made_exact(graph, draft, None, bitwise)
+        return finish(graph, budget_bytes, cost_model, planner=NAME, started=started,
+                      order=res.order, remat=exact.remat, warn=False,
+                      notes=[f"{len(dropped)} block residuals re-issued by the block-level "
+                             f"solve"])
+
+    best: tuple[float, plan_lib.Plan, bool] | None = None
+    # Each window's bytes in the step model: the plan that keeps everything's, less what
+    # the strategies free, plus a correction: after each round, what the simulator found
+    # in the window less what the model predicted for that round's choice.
+    correction = [0] * len(marks)
+    seen: set[tuple[int, ...]] = set()
+    rounds = 0
+    step_status = ""
+    while rounds < ROUNDS:
+        if out_of_time(deadline, stopped,
+                       f"the block-level solve stopped after {rounds} of {ROUNDS} rounds"):
+            break
+        rounds += 1
+        live = [b + c for b, c in zip(base, correction)]
+        choice, step_status = _step(blocks, strategies, marks, live, budget_bytes, seed)
+        if choice is None or tuple(choice) in seen:
+            break
+        seen.add(tuple(choice))
+        plan = plan_of(choice)
+        logger.debug("block solve: round %d, simulated %s B, %.4g s estimated", rounds,
+                     f"{plan.predicted_peak_bytes:,}", plan.predicted_time_s or 0.0)
+        if plan.predicted_peak_bytes <= budget_bytes:
+            # the corrections only tighten: no later round is faster
+            best = (plan.predicted_time_s or 0.0, plan, step_status == "OPTIMAL")
+            break
+        measured = _window_live(graph, res, plan, marks)
+        freed = _freed(blocks, strategies, choice, marks)
+        correction = [max(c, m - (b - f))
+                      for c, m, b, f in zip(correction, measured, base, freed)]
+    optimal = all(s.optimal for ss in strategies.values() for s in ss)
+    classes = len(strategies)
+    note = (f"block solve: {len(blocks)} blocks of {classes} kind(s), "
+            f"{sum(len(ss) for ss in strategies.values())} block strategies, {rounds} step "
+            f"solve(s), {time.perf_counter() - started:.2f} s{''.join('; ' + x for x in stopped)}")
+    if best is None:
+        return Solved(None, "", note + "; no plan fits the budget under the simulator")
+    status = "OPTIMAL" if optimal and best[2] else "FEASIBLE"
+    return Solved(best[1].replace(notes=(note, *best[1].notes)), status, note)
+
+
+def solve_reported(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
+                   notes: list[str], options: PlannerOptions, deadline: float | None
+                   ) -> Solved | None:
+    """:func:`solve` for a planner with ``options`` (its ``bitwise`` and ``seed``), its note
+    added to ``notes``; None when ``options`` forbid remat or it failed: like a heuristic's,
+    its failure must not sink the planner, and the notes and the log say what it was."""
+    if not options.allow_remat:
+        return None
+    try:
+        solved = solve(graph, budget_bytes, cost_model, bitwise=options.bitwise,
+                       seed=int(options.seed), deadline=deadline)
+    except Exception as err:
+        notes.append(f"block-level solve failed: {type(err).__name__}: {err}")
+        logger.warning("the block-level solve failed (%s: %s); planning without it",
+                       type(err).__name__, err)
+        return None
+    notes.append(solved.note)
+    return solved
+
+
+def _blocks(graph: MemGraph, res: Residuals, cost_model: CostModel, forward: list[int],
+            cuts: tuple[tuple[int, frozenset[int]], ...],
+            found: Sequence[tuple[str, list[int]]], bitwise: bool) -> list[_Block]:
+    """The blocks with their candidates, and a class per distinct sequence of ops."""
+    boundary = block_boundaries(forward, found, cuts)
+    forced = profile(graph, res, cost_model, among=boundary or None, cuts=cuts).forced
+    never = never_reissued(graph, bitwise)
+    residual = set(res.tensors)
+    sig = signatures(graph, [op for _, ops in found for op in ops])
+    # A class's strategies name candidates by their place in the block: instances of one
+    # class have the same ops and the same candidates at the same places.
+    classes: dict[tuple, int] = {}
+    out, at = [], 0
+    for _, ops in found:
+        ops_sig = tuple(int(s) for s in sig[at:at + len(ops)])
+        at += len(ops)
+        candidates = tuple(
+            t for op in ops for t in graph.ops[op].outputs
+            if t in residual and t not in boundary and t not in forced and t not in never
+            and reissuable(graph, t))
+        key = (ops_sig, _slots(graph, ops, candidates))
+        out.append(_Block(tuple(ops), candidates, classes.setdefault(key, len(classes))))
+    return out
+
+
+def _slots(graph: MemGraph, ops: Sequence[int], candidates: Sequence[int]
+           ) -> tuple[tuple[int, int], ...]:
+    """Each candidate as (index of its producer in the block, index among its outputs)."""
+    index = {op: i for i, op in enumerate(ops)}
+    out = []
+    for t in candidates:
+        p = graph.tensors[t].producer
+        assert p is not None
+        out.append((index[p], graph.ops[p].outputs.index(t)))
+    return tuple(out)
+
+
+def block_strategies(graph: MemGraph, res: Residuals, cost_model: CostModel, b: _Block,
+                     seed: int = 0) -> list[Strategy]:
+    """The Pareto set of ``b``'s strategies: least recompute time for each cap on kept bytes
+    (:data:`CAPS` caps), by CP-SAT at full detail (module docstring, level 1)."""
+    ops = b.ops
+    in_block = set(ops)
+    op_s = _reissue_costs(graph, res, cost_model, b)
+    index = {op: i for i, op in enumerate(ops)}
+    size = [max(1, graph.tensors[t].bytes // _KIB) for t in b.candidates]
+    full = sum(size)
+    cand = {t: i for i, t in enumerate(b.candidates)}
+
+    def model(cap: int | None) -> tuple[cp_model.CpModel, list, list]:
+        m = cp_model.CpModel()
+        again = [m.new_bool_var(f"again{i}") for i in range(len(ops))]
+        drop = [m.new_bool_var(f"drop{i}") for i in range(len(b.candidates))]
+        for t, i in cand.items():
+            m.add_implication(drop[i], again[index[computed_by(graph, t)]])
+        for i, op in enumerate(ops):
+            # a value only the forward pass reads is not kept: run again, it is made again
+            # (a residual is read where it is kept, or made again when dropped); values
+            # fused into it (random bits hashed for a dropout mask) are computed again too
+            made_again = [u for u in res.reads(graph, op)
+                          if u in res.forward and u not in res.first_backward
+                          and u not in res.outputs and reissuable(graph, u)]
+            made_again += [u for u in graph.ops[op].inputs if not res.is_buffer(graph, u)]
+            for u in made_again:
+                p = graph.tensors[u].producer
+                if p is not None and p in in_block:
+                    m.add_implication(again[i], again[index[p]])
+        kept = sum(size[i] * (1 - drop[i]) for i in range(len(size)))
+        if cap is not None:
+            m.add(kept <= cap)
+        ticks = [max(0, round(s / _TICK_S)) for s in op_s]
+        m.minimize(sum(ticks[i] * again[i] for i in range(len(ops))) * (full + 1) + kept)
+        return m, again, drop
+
+    def run(cap: int | None) -> Strategy | None:
+        m, again, drop = model(cap)
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = 1
+        solver.parameters.random_seed = seed
+        solver.parameters.max_deterministic_time = BLOCK_DETERMINISTIC_S
+        st = solver.solve(m)
+        if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None
+        dropped = tuple(i for i in range(len(drop)) if solver.value(drop[i]))
+        return Strategy(
+            dropped=dropped,
+            kept_bytes=sum(graph.tensors[b.candidates[i]].bytes
+                           for i in range(len(drop)) if i not in dropped),
+            time_s=sum(op_s[i] for i in range(len(ops)) if solver.value(again[i])),
+            optimal=st == cp_model.OPTIMAL)
+
+    keep_all = Strategy((), sum(graph.tensors[t].bytes for t in b.candidates), 0.0, True)
+    # The least the block can keep: drop everything its model lets it.
+    least = run(0) if b.candidates else None
+    out = [keep_all]
+    if least is None or not least.dropped:
+        return out
+    low = sum(size[i] for i in range(len(size)) if i not in least.dropped)
+    for k in range(1, CAPS):
+        cap = low + (full - low) * k // CAPS
+        s = run(cap)
+        if s is not None:
+            out.append(s)
+    out.append(least)
+    return _pareto(out)
+
+
+def _pareto(strategies: Sequence[Strategy]) -> list[Strategy]:
+    """The strategies no other both keeps no more than and takes no longer than, most
+    kept first."""
+    pareto: dict[tuple[int, ...], Strategy] = {}
+    for s in sorted(strategies, key=lambda s: (s.time_s, s.kept_bytes)):
+        if all(not (o.kept_bytes <= s.kept_bytes and o.time_s <= s.time_s)
+               for o in pareto.values()):
+            pareto[s.dropped] = s
+    return sorted(pareto.values(), key=lambda s: -s.kept_bytes)
+
+
+def _reissue_costs(graph: MemGraph, res: Residuals, cost_model: CostModel, b: _Block
+                   ) -> list[float]:
+    """Seconds each op of ``b`` takes run again, as the step-time estimate prices it: a
+    re-issue XLA computes inside its readers (``"fused"``) costs its arithmetic only, any
+    other its roofline time. Which re-issues are fused is read from the schedule of the
+    plan that drops every candidate of ``b``."""
+    remat, _ = remat_points(graph, res, b.candidates)
+    plan = plan_lib.unplanned(graph).replace(order=res.order, remat=remat)
+    fused = {ev.op for ev in plan_lib.build_schedule(graph, plan).events if ev.kind == "fused"}
+    return [cost_model.graph_op_compute_s(graph, op) if op in fused
+            else cost_model.graph_op_time_s(graph, op) for op in b.ops]
+
+
+def _marks(res: Residuals, blocks: Sequence[_Block]) -> list[tuple[int, tuple[int, ...]]]:
+    """Where each window starts (a position in ``res.order``) and the blocks whose freed
+    bytes count in it, in order (module docstring)."""
+    pos = res.pos
+    n = len(blocks)
+    marks = [(pos[b.ops[0]], tuple(range(k))) for k, b in enumerate(blocks)]
+    marks.append((pos[blocks[-1].ops[-1]] + 1, tuple(range(n))))
+    for k, b in enumerate(blocks):
+        # a block's backward starts at its candidates' first backward reader
+        start = min((pos[res.first_backward[t]] for t in b.candidates), default=None)
+        if start is not None:
+            marks.append((start, tuple(range(k))))
+    return sorted(marks)
+
+
+def _window_live(graph: MemGraph, res: Residuals, plan: plan_lib.Plan,
+                 marks: Sequence[tuple[int, tuple[int, ...]]]) -> list[int]:
+    """The most bytes live in each window under ``plan``: a re-issue or copy counts in the
+    window of the op before it."""
+    steps = schedule.steps_for_plan(graph, plan)
+    live = simulate.simulate_steps(graph, steps,
+                                   sizes=schedule.build_schedule(graph, plan).sizes()).live_bytes
+    starts = [start for start, _ in marks]
+    out = [0] * len(marks)
+    at = -1
+    for step, nbytes in zip(steps, live):
+        if step.label == "op" and step.op is not None:
+            at = bisect.bisect_right(starts, res.pos[step.op]) - 1
+        if at >= 0:
+            out[at] = max(out[at], nbytes)
+    return out
+
+
+def _freed(blocks: Sequence[_Block], strategies: Mapping[int, list[Strategy]],
+           choice: Sequence[int], marks: Sequence[tuple[int, tuple[int, ...]]]) -> list[int]:
+    """The bytes ``choice`` frees in each window, in the step model."""
+    saved = [strategies[b.klass][0].kept_bytes - strategies[b.klass][s].kept_bytes
+             for b, s in zip(blocks, choice)]
+    return [sum(saved[k] for k in held) for _, held in marks]
+
+
+def _step(blocks: Sequence[_Block], strategies: Mapping[int, list[Strategy]],
+          marks: Sequence[tuple[int, tuple[int, ...]]], live: Sequence[int], limit_bytes: int,
+          seed: int) -> tuple[list[int] | None, str]:
+    """One strategy per block, least total recompute time, every window's ``live`` bytes
+    less what the strategies free in it within ``limit_bytes`` (module docstring, level 2);
+    None with CP-SAT's status when no choice is."""
+    m = cp_model.CpModel()
+    pick = [[m.new_bool_var(f"b{k}s{s}") for s in range(len(strategies[b.klass]))]
+            for k, b in enumerate(blocks)]
+    saved = []
+    for k, b in enumerate(blocks):
+        m.add_exactly_one(pick[k])
+        full = strategies[b.klass][0].kept_bytes
+        saved.append(sum(((full - s.kept_bytes) // _KIB) * v
+                         for s, v in zip(strategies[b.klass], pick[k])))
+    for (_, held), nbytes in zip(marks, live):
+        excess = (nbytes - limit_bytes + _KIB - 1) // _KIB
+        if excess <= 0:
+            continue
+        if not held:
+            return None, "INFEASIBLE (a window no block's strategy lowers is over)"
+        m.add(sum(saved[k] for k in held) >= excess)
+    ticks = sum(round(s.time_s / _TICK_S) * v for b, row in zip(blocks, pick)
+                for s, v in zip(strategies[b.klass], row))
+    m.minimize(ticks)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = seed
+    solver.parameters.max_deterministic_time = STEP_DETERMINISTIC_S
+    st = solver.solve(m)
+    name = solver.status_name(st)
+    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None, name
+    return [next(s for s, v in enumerate(row) if solver.value(v)) for row in pick], name
