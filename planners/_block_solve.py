@@ -14,11 +14,12 @@ Checkmate teach, in two levels:
    runs again, and an op that runs again reads each of its inputs made in the block
    either where it is kept or from its producer run again (a value only the forward pass
    reads is always made again: it is not kept). Minimizing the time of the ops run
-   again (priced as the step-time estimate prices re-issues: one XLA fuses into its
-   readers costs its arithmetic only) under a cap on the kept bytes, for caps from
-   everything kept to the least the block can keep, gives the class's *strategies*: a
-   Pareto set of (kept bytes, recompute time), each proven optimal in the model's terms
-   or marked as not.
+   again (each at its roofline time, bytes included, also where XLA fuses the re-issue
+   into its readers, which the step-time estimate prices at its arithmetic only: the
+   compiled steps agree with the roofline price better, docs/planners.md) under a cap on
+   the kept bytes, for caps from everything kept to the least the block can keep, gives
+   the class's *strategies*: a Pareto set of (kept bytes, recompute time), each proven
+   optimal in the model's terms or marked as not.
 2. **The step, over the instances.** A second CP-SAT model picks one strategy per
    instance (instances of a class may differ) to minimize the total recompute time with
    the step's memory within the budget: the memory of the plan that keeps everything
@@ -127,8 +128,13 @@ class _Block:
 
 
 def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
-          bitwise: bool = True, seed: int = 0, deadline: float | None = None) -> Solved:
+          bitwise: bool = True, seed: int = 0, deadline: float | None = None,
+          fused_at_arithmetic: bool = False) -> Solved:
     """The block-level plan of ``graph`` under ``budget_bytes`` (module docstring).
+
+    ``fused_at_arithmetic``: price a re-issue XLA fuses into its readers at its arithmetic
+    only, as the step-time estimate does, instead of at its roofline time (for comparison:
+    docs/planners.md).
 
     ``deadline`` (a ``time.perf_counter()`` value): no block solve or round of the step
     model starts after it, and the note says so.
@@ -150,7 +156,8 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
             if out_of_time(deadline, stopped, "the block-level solve stopped before its "
                                               "blocks were solved"):
                 return Solved(None, "", "block solve: " + stopped[0])
-            strategies[b.klass] = block_strategies(graph, res, cost_model, b, seed)
+            strategies[b.klass] = block_strategies(graph, res, cost_model, b, seed,
+                                                   fused_at_arithmetic)
     marks = _marks(res, blocks)
     base = _window_live(graph, res, plan_lib.unplanned(graph), marks)
     never = never_reissued(graph, bitwise)
@@ -182,7 +189,10 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
         rounds += 1
         live = [b + c for b, c in zip(base, correction)]
         choice, step_status = _step(blocks, strategies, marks, live, budget_bytes, seed)
-        if choice is None or tuple(choice) in seen:
+        if choice is None:
+            stopped.append(f"no choice of strategies fits the step model ({step_status})")
+            break
+        if tuple(choice) in seen:
             break
         seen.add(tuple(choice))
         plan = plan_of(choice)
@@ -202,7 +212,8 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
             f"{sum(len(ss) for ss in strategies.values())} block strategies, {rounds} step "
             f"solve(s), {time.perf_counter() - started:.2f} s{''.join('; ' + x for x in stopped)}")
     if best is None:
-        return Solved(None, "", note + "; no plan fits the budget under the simulator")
+        return Solved(None, "", note + ("; no plan fits the budget under the simulator"
+                                        if seen else ""))
     status = "OPTIMAL" if optimal and best[2] else "FEASIBLE"
     return Solved(best[1].replace(notes=(note, *best[1].notes)), status, note)
 
@@ -265,12 +276,19 @@ def _slots(graph: MemGraph, ops: Sequence[int], candidates: Sequence[int]
 
 
 def block_strategies(graph: MemGraph, res: Residuals, cost_model: CostModel, b: _Block,
-                     seed: int = 0) -> list[Strategy]:
+                     seed: int = 0, fused_at_arithmetic: bool = False) -> list[Strategy]:
     """The Pareto set of ``b``'s strategies: least recompute time for each cap on kept bytes
     (:data:`CAPS` caps), by CP-SAT at full detail (module docstring, level 1)."""
     ops = b.ops
     in_block = set(ops)
-    op_s = _reissue_costs(graph, res, cost_model, b)
+    fused: set[int] = set()
+    if fused_at_arithmetic:  # which re-issues XLA fuses: those of the plan dropping all
+        remat, _ = remat_points(graph, res, b.candidates)
+        plan = plan_lib.unplanned(graph).replace(order=res.order, remat=remat)
+        fused = {ev.op for ev in plan_lib.build_schedule(graph, plan).events  # type: ignore
+                 if ev.kind == "fused"}
+    op_s = [cost_model.graph_op_compute_s(graph, op) if op in fused
+            else cost_model.graph_op_time_s(graph, op) for op in ops]
     index = {op: i for i, op in enumerate(ops)}
     size = [max(1, graph.tensors[t].bytes // _KIB) for t in b.candidates]
     full = sum(size)
@@ -343,19 +361,6 @@ def _pareto(strategies: Sequence[Strategy]) -> list[Strategy]:
                for o in pareto.values()):
             pareto[s.dropped] = s
     return sorted(pareto.values(), key=lambda s: -s.kept_bytes)
-
-
-def _reissue_costs(graph: MemGraph, res: Residuals, cost_model: CostModel, b: _Block
-                   ) -> list[float]:
-    """Seconds each op of ``b`` takes run again, as the step-time estimate prices it: a
-    re-issue XLA computes inside its readers (``"fused"``) costs its arithmetic only, any
-    other its roofline time. Which re-issues are fused is read from the schedule of the
-    plan that drops every candidate of ``b``."""
-    remat, _ = remat_points(graph, res, b.candidates)
-    plan = plan_lib.unplanned(graph).replace(order=res.order, remat=remat)
-    fused = {ev.op for ev in plan_lib.build_schedule(graph, plan).events if ev.kind == "fused"}
-    return [cost_model.graph_op_compute_s(graph, op) if op in fused
-            else cost_model.graph_op_time_s(graph, op) for op in b.ops]
 
 
 def _marks(res: Residuals, blocks: Sequence[_Block]) -> list[tuple[int, tuple[int, ...]]]:

@@ -22,7 +22,7 @@ How it runs, within ``time_limit_s``:
    re-issued or offloaded) fits under the simulator, it is returned at once with
    status ``"ok"`` and gap 0: every plan runs each op at least once, so no plan
    is estimated faster.
-1. **Blocks** (``block_solve``, with ``allow_remat``): the step solved over its repeated
+1. **Blocks** (with ``block_solve`` and ``allow_remat``): the step solved over its repeated
    layers by CP-SAT (:mod:`._block_solve`), a plan of the solver's own, as step 3's is.
    **Warm start.** Program order and the plans of the heuristic planners
    (by default ``chen``, ``keep_matmuls`` and ``keep_matmuls_no_batch``, ``blocks``
@@ -175,7 +175,8 @@ class CpsatOptions(PlannerOptions):
       deterministic_time_s: CP-SAT's deterministic time for steps 2 and 3 together
         (``None``: half of ``time_limit_s``).
       tie_blocks: equal decisions for items at the same place of repeated layers.
-      block_solve: solve the step over its repeated layers too (step 1).
+      block_solve: solve the step over its repeated layers too (step 1; off by default:
+        its plans win by the planners' estimate and not yet by the compiled roofline).
       min_decision_bytes: buffers smaller than this are always kept (``None``:
         ``budget / 2000``: fewer variables, little memory left on the table).
       heuristics: registered planners, run in this order, whose plans warm-start the
@@ -192,7 +193,7 @@ class CpsatOptions(PlannerOptions):
     deterministic: bool = True
     deterministic_time_s: float | None = None
     tie_blocks: bool = False
-    block_solve: bool = True
+    block_solve: bool = False
     min_decision_bytes: int | None = None
     # one simulation each first (their plans do not depend on the budget: a re-plan of
     # the verify loop reuses them), then the searches, which share what is left

@@ -108,7 +108,7 @@ def test_an_impossible_budget_gives_no_block_plan_and_says_why():
 def test_cpsat_scores_the_block_plan_and_keeps_it_as_its_own():
     _, _, g = _step()
     budget = int(_peak(g) * 0.7)
-    plan = registry.get("cpsat").fn(g, budget, CPU, {"time_limit_s": 10})
+    plan = registry.get("cpsat").fn(g, budget, CPU, {"time_limit_s": 10, "block_solve": True})
     assert any(n.startswith("block solve: ") for n in plan.notes)
     scored = [c for c in plan.candidates if c.name == _block_solve.NAME]
     assert len(scored) == 1 and scored[0].peak_bytes <= budget
@@ -121,9 +121,9 @@ def test_cpsat_scores_the_block_plan_and_keeps_it_as_its_own():
         assert plan.status == "fallback" and "block-level solve" in plan.fallback_reason
 
 
-def test_cpsat_without_remat_runs_no_block_solve():
+@pytest.mark.parametrize("options", [{"allow_remat": False, "block_solve": True}, {}])
+def test_cpsat_runs_no_block_solve_without_remat_or_by_default(options):
     _, _, g = _step()
-    plan = registry.get("cpsat").fn(g, int(_peak(g) * 0.9), CPU,
-                                    {"time_limit_s": 5, "allow_remat": False})
+    plan = registry.get("cpsat").fn(g, int(_peak(g) * 0.9), CPU, {"time_limit_s": 5, **options})
     assert not any(n.startswith("block solve") for n in plan.notes)
-    assert not plan.remat
+    assert not any(c.name == _block_solve.NAME for c in plan.candidates)
