@@ -51,7 +51,6 @@ from typing import Mapping, Sequence
 
 from ortools.sat.python import cp_model
 
-from jaxmem.analysis import simulate
 from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._options import PlannerOptions
@@ -174,7 +173,7 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
                       notes=[f"{len(dropped)} block residuals re-issued by the block-level "
                              f"solve"])
 
-    best: tuple[float, plan_lib.Plan, bool] | None = None
+    best: plan_lib.Plan | None = None
     # Each window's bytes in the step model: the plan that keeps everything's, less what
     # the strategies free, plus a correction: after each round, what the simulator found
     # in the window less what the model predicted for that round's choice.
@@ -199,8 +198,7 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
         logger.debug("block solve: round %d, simulated %s B, %.4g s estimated", rounds,
                      f"{plan.predicted_peak_bytes:,}", plan.predicted_time_s or 0.0)
         if plan.predicted_peak_bytes <= budget_bytes:
-            # the corrections only tighten: no later round is faster
-            best = (plan.predicted_time_s or 0.0, plan, step_status == "OPTIMAL")
+            best = plan  # the corrections only tighten: no later round is faster
             break
         measured = _window_live(graph, res, plan, marks)
         freed = _freed(blocks, strategies, choice, marks)
@@ -214,8 +212,8 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
     if best is None:
         return Solved(None, "", note + ("; no plan fits the budget under the simulator"
                                         if seen else ""))
-    status = "OPTIMAL" if optimal and best[2] else "FEASIBLE"
-    return Solved(best[1].replace(notes=(note, *best[1].notes)), status, note)
+    status = "OPTIMAL" if optimal and step_status == "OPTIMAL" else "FEASIBLE"
+    return Solved(best.replace(notes=(note, *best.notes)), status, note)
 
 
 def solve_reported(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
@@ -281,11 +279,11 @@ def block_strategies(graph: MemGraph, res: Residuals, cost_model: CostModel, b: 
     (:data:`CAPS` caps), by CP-SAT at full detail (module docstring, level 1)."""
     ops = b.ops
     in_block = set(ops)
-    fused: set[int] = set()
+    fused: set[int | None] = set()
     if fused_at_arithmetic:  # which re-issues XLA fuses: those of the plan dropping all
         remat, _ = remat_points(graph, res, b.candidates)
         plan = plan_lib.unplanned(graph).replace(order=res.order, remat=remat)
-        fused = {ev.op for ev in plan_lib.build_schedule(graph, plan).events  # type: ignore
+        fused = {ev.op for ev in schedule.build_schedule(graph, plan).events
                  if ev.kind == "fused"}
     op_s = [cost_model.graph_op_compute_s(graph, op) if op in fused
             else cost_model.graph_op_time_s(graph, op) for op in ops]
@@ -294,7 +292,7 @@ def block_strategies(graph: MemGraph, res: Residuals, cost_model: CostModel, b: 
     full = sum(size)
     cand = {t: i for i, t in enumerate(b.candidates)}
 
-    def model(cap: int | None) -> tuple[cp_model.CpModel, list, list]:
+    def model(cap: int) -> tuple[cp_model.CpModel, list, list]:
         m = cp_model.CpModel()
         again = [m.new_bool_var(f"again{i}") for i in range(len(ops))]
         drop = [m.new_bool_var(f"drop{i}") for i in range(len(b.candidates))]
@@ -313,13 +311,12 @@ def block_strategies(graph: MemGraph, res: Residuals, cost_model: CostModel, b: 
                 if p is not None and p in in_block:
                     m.add_implication(again[i], again[index[p]])
         kept = sum(size[i] * (1 - drop[i]) for i in range(len(size)))
-        if cap is not None:
-            m.add(kept <= cap)
+        m.add(kept <= cap)
         ticks = [max(0, round(s / _TICK_S)) for s in op_s]
         m.minimize(sum(ticks[i] * again[i] for i in range(len(ops))) * (full + 1) + kept)
         return m, again, drop
 
-    def run(cap: int | None) -> Strategy | None:
+    def run(cap: int) -> Strategy | None:
         m, again, drop = model(cap)
         solver = cp_model.CpSolver()
         solver.parameters.num_workers = 1
@@ -382,9 +379,9 @@ def _window_live(graph: MemGraph, res: Residuals, plan: plan_lib.Plan,
                  marks: Sequence[tuple[int, tuple[int, ...]]]) -> list[int]:
     """The most bytes live in each window under ``plan``: a re-issue or copy counts in the
     window of the op before it."""
-    steps = schedule.steps_for_plan(graph, plan)
-    live = simulate.simulate_steps(graph, steps,
-                                   sizes=schedule.build_schedule(graph, plan).sizes()).live_bytes
+    sched = schedule.build_schedule(graph, plan)
+    live = schedule.simulate_schedule(graph, sched).live_bytes
+    steps = sched.steps()  # (the simulated steps, before XLA's accounting of arguments)
     starts = [start for start, _ in marks]
     out = [0] * len(marks)
     at = -1
