@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from typing import Any, Sequence
 
@@ -145,6 +146,12 @@ class Options:
     sweep_min: float = 0.05
     bitwise: bool | str = "auto"
     op_times: str = "roofline"
+    # --planner-option: (planner, option, value) triples
+    planner_options: tuple[tuple[str, str, Any], ...] = ()
+
+    def options_for(self, planner: str) -> dict[str, Any]:
+        """The ``jaxmem.Config(options=...)`` that ``--planner-option`` gives ``planner``."""
+        return {key: value for name, key, value in self.planner_options if name == planner}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -197,6 +204,11 @@ def parser() -> argparse.ArgumentParser:
                    help="how planners price ops: the target's roofline (default), or a trial run "
                         "of the plain step under jax.profiler on the CPU, scaled to the target's "
                         "roofline total (jaxmem.Config(op_times=...)); records carry op_times")
+    p.add_argument("--planner-option", action="append", default=[], metavar="PLANNER:KEY=VALUE",
+                   help="an option for one planner, passed as jaxmem.Config(options={KEY: "
+                        "VALUE}); VALUE is read as JSON (true, 2, 0.5), else as a string; "
+                        "repeatable; records carry planner_options (e.g. "
+                        "cpsat:block_solve=true)")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip the Pareto plot")
     p.add_argument("--sweep", action="store_true",
                    help="instead of --budgets: sweep each planner's budget from the unplanned "
@@ -212,6 +224,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _planner_option(text: str) -> tuple[str, str, Any]:
+    """``PLANNER:KEY=VALUE`` as (planner, key, value), the value read as JSON if it is."""
+    planner, _, setting = text.partition(":")
+    key, eq, raw = setting.partition("=")
+    if not (planner and key and eq):
+        raise ValueError(f"--planner-option takes PLANNER:KEY=VALUE "
+                         f"(e.g. cpsat:block_solve=true); got {text!r}")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return planner, key, value
+
+
 def parse(argv: Sequence[str] | None = None) -> Options:
     """Parse command-line arguments into :class:`Options` (exits with a usage error if bad)."""
     p = parser()
@@ -220,6 +246,14 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         budgets = parse_budgets(ns.budgets, ns.fractions)
     except ValueError as err:
         p.error(str(err))
+    try:
+        planner_options = tuple(_planner_option(text) for text in ns.planner_option)
+    except ValueError as err:
+        p.error(str(err))
+    unused = sorted({name for name, _, _ in planner_options} - set(_names(ns.planners) or ()))
+    if unused:
+        p.error(f"--planner-option names {', '.join(map(repr, unused))}, not among --planners "
+                f"{ns.planners!r}: add it there or drop the option")
     if ns.repeats < 1:
         p.error(f"--repeats must be at least 1; got {ns.repeats}")
     if ns.sweep and (ns.budgets or ns.fractions):
@@ -237,4 +271,4 @@ def parse(argv: Sequence[str] | None = None) -> Options:
                    cpu_time=ns.cpu_time, repeats=ns.repeats, time_limit_s=ns.time_limit_s,
                    append=ns.append, plot=ns.plot, sweep=ns.sweep,
                    sweep_factor=ns.sweep_factor, sweep_min=ns.sweep_min, bitwise=ns.bitwise,
-                   op_times=ns.op_times)
+                   op_times=ns.op_times, planner_options=planner_options)

@@ -35,7 +35,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 
@@ -167,7 +167,8 @@ def _bench_model(model: str, names: list[str], options: Options, target: targets
             for budget, nbytes in budgets:
                 _progress(f"{model}/{options.size}: planner {name!r}, budget {budget.text}")
                 outcome = _planned(name, zoo, nbytes, target, reference, options.time_limit_s,
-                                   bitwise=options.bitwise, op_times=options.op_times)
+                                   bitwise=options.bitwise, op_times=options.op_times,
+                                   planner_options=options.options_for(name))
                 if cpu_args is not None and outcome.step is not None:
                     _cpu(outcome, outcome.step, cpu_args, options.repeats)
                 yield _record(model, name, "planner", budget, nbytes, outcome, reference, options,
@@ -203,7 +204,8 @@ def _predict(zoo: Any, target: targets.Target) -> int | None:
 
 def _planned(name: str, zoo: Any, budget_bytes: int | None, target: targets.Target,
              reference: _Outcome, time_limit_s: float = 60.0, *, bitwise: bool | str = "auto",
-             op_times: str = "roofline") -> _Outcome:
+             op_times: str = "roofline", planner_options: Mapping[str, Any] | None = None
+             ) -> _Outcome:
     """Plan, emit and compile the step with planner ``name`` through ``jaxmem.optimize``."""
     if zoo is None:
         return _Outcome(error=reference.error or "error: the step could not be built")
@@ -212,7 +214,7 @@ def _planned(name: str, zoo: Any, budget_bytes: int | None, target: targets.Targ
     started = time.perf_counter()
     try:
         step = _optimize(name, zoo, budget_bytes, target, time_limit_s, bitwise=bitwise,
-                         op_times=op_times)
+                         op_times=op_times, planner_options=planner_options)
         report = measure(step, *zoo.args, target=target)
         plan = _plan_of(step, target.place(zoo.args))
     except Exception as err:  # recorded in the results, not hidden
@@ -243,7 +245,8 @@ def _plan_of(step: Any, args: tuple[Any, ...]) -> Any:
 
 def _optimize(name: str, zoo: Any, budget_bytes: int, target: targets.Target,
               time_limit_s: float = 60.0, *, bitwise: bool | str = "auto",
-              op_times: str = "roofline") -> Any:
+              op_times: str = "roofline", planner_options: Mapping[str, Any] | None = None
+              ) -> Any:
     """The step planned by ``name``: ``jaxmem.optimize(fn, config=jaxmem.Config(...))``.
 
     This is the one place that knows the optimize API: a budget in
@@ -256,8 +259,9 @@ def _optimize(name: str, zoo: Any, budget_bytes: int, target: targets.Target,
             f"planner {name!r} is registered, but this jaxmem has no "
             f"{' or '.join('jaxmem.' + m for m in missing)} to trace, plan and emit a step with "
             f"it yet; nothing was compiled")
+    extra = {"options": dict(planner_options)} if planner_options else {}
     config = jaxmem.Config(budget=budget_bytes, target=target.name, planner=name,
-                           time_limit_s=time_limit_s, bitwise=bitwise, op_times=op_times)
+                           time_limit_s=time_limit_s, bitwise=bitwise, op_times=op_times, **extra)
     return jaxmem.optimize(zoo.fn, config=config, donate_argnums=zoo.donate_argnums)
 
 
@@ -291,6 +295,7 @@ def _record(model: str, planner: str, kind: str, budget: Budget, budget_bytes: i
         "budget_of": budget.of,
         "bitwise": options.bitwise if kind == "planner" else None,
         "op_times": options.op_times if kind == "planner" else None,
+        "planner_options": (options.options_for(planner) or None) if kind == "planner" else None,
         "budget_bytes": budget_bytes, "target": target.name, "status": status,
         "compiled_peak_bytes": r.device_bytes if r else None,
         "predicted_peak_bytes": outcome.predicted_peak_bytes,

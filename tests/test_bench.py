@@ -166,15 +166,30 @@ def test_planner_dispatch_goes_through_optimize(tmp_path, fake_planner, monkeypa
         fn, config, donate_argnums), raising=False)
     argv = ["--models", "fake", "--planners", fake_planner, "--budgets", "1KiB,64MiB",
             "--target", "cpu", "--cpu-time", "--repeats", "1", "--out", str(tmp_path),
-            "--no-plot"]
+            "--no-plot", "--planner-option", f"{fake_planner}:max_nodes=120",
+            "--planner-option", f"{fake_planner}:label=wide"]
     assert main(argv, builder=fake_build) == 0
     records = {(r["planner"], r["budget"]): r for r in _records(tmp_path)}
     assert records[fake_planner, "1KiB"]["status"] == "infeasible"
     ok = records[fake_planner, "64MiB"]
     assert ok["status"] == "ok" and ok["predicted_peak_bytes"] == 12345
     assert ok["solve_time_s"] == 0.25 and ok["grads_match"] is True
+    assert ok["planner_options"] == {"max_nodes": 120, "label": "wide"}
     assert {"budget": 64 << 20, "target": "cpu", "planner": fake_planner,
-            "time_limit_s": 60.0, "bitwise": "auto", "op_times": "roofline"} in configs
+            "time_limit_s": 60.0, "bitwise": "auto", "op_times": "roofline",
+            "options": {"max_nodes": 120, "label": "wide"}} in configs
+
+
+@pytest.mark.parametrize("option, message", [
+    ("cpsat:block_solve", "takes PLANNER:KEY=VALUE"),
+    ("greedy:seed=1", "names 'greedy', not among --planners"),
+])
+def test_a_bad_planner_option_is_a_usage_error(tmp_path, capsys, option, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--models", "fake", "--planners", "cpsat", "--planner-option", option,
+              "--out", str(tmp_path)], builder=fake_build)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_failed_reference_leaves_fraction_budgets_unresolved(tmp_path):
