@@ -22,9 +22,7 @@ How it runs, within ``time_limit_s``:
    re-issued or offloaded) fits under the simulator, it is returned at once with
    status ``"ok"`` and gap 0: every plan runs each op at least once, so no plan
    is estimated faster.
-1. **Blocks** (with ``block_solve`` and ``allow_remat``): the step solved over its repeated
-   layers by CP-SAT (:mod:`._block_solve`), a plan of the solver's own, as step 3's is.
-   **Warm start.** Program order and the plans of the heuristic planners
+1. **Warm start.** Program order and the plans of the heuristic planners
    (by default ``chen``, ``keep_matmuls`` and ``keep_matmuls_no_batch``, ``blocks``
    with each of its ``save`` choices, then the searches ``keep_matmuls_fit``,
    ``greedy`` and ``sublinear``) are mapped onto the coarse problem and
@@ -34,6 +32,8 @@ How it runs, within ``time_limit_s``:
    left of it (one that is not reached in time is skipped, and the notes say so);
    repairs stop after another 15% (on a 7,000-op step they took minutes). The plans
    that do not depend on the budget are kept in ``memo`` for the verify loop's re-plans.
+   With ``block_solve``, the step solved over its repeated layers (:mod:`._block_solve`)
+   follows within a fifth of the limit: a plan of the solver's own, as step 3's is.
 2. **Fixed order.** The order of the warm start is kept and CP-SAT decides
    remat and offload (fast; often proven optimal for that order).
 3. **Joint.** With ``allow_reorder``, the full model is solved, hinted with the
@@ -59,24 +59,22 @@ How it runs, within ``time_limit_s``:
 4. **Check.** The solution becomes a :class:`~jaxmem.plans.plan.Plan`; the simulator
    (:func:`jaxmem.plans.plan.simulate_plan`) sets ``predicted_peak_bytes`` and the
    shared estimate (:func:`jaxmem.planners._shared.estimate_time_s`) sets
-   ``predicted_time_s``. The heuristic plans are scored the same way; the
-   fastest plan that fits is returned (the solver's unless a heuristic beats
-   it: then status ``FALLBACK``, with ``Plan.fallback_reason``). Nothing fits:
-   ``OVER_BUDGET``. ``Plan.source`` names the candidate kept, ``Plan.candidates``
-   lists every candidate scored and ``Plan.solver_status`` is CP-SAT's status when
-   the solver's plan is kept.
+   ``predicted_time_s``. The heuristic plans are scored the same way; the fastest plan
+   that fits is returned (the solver's unless a heuristic beats it: then status
+   ``FALLBACK``, with ``Plan.fallback_reason``). Nothing fits: ``OVER_BUDGET``.
+   ``Plan.source`` names the candidate kept, ``Plan.candidates`` every candidate
+   scored, ``Plan.solver_status`` CP-SAT's status when the solver's plan is kept.
    Up to two other fitting candidates within 10% of its estimate go along as
    ``Plan.alternatives``: the estimate is on the jaxpr, so the verify loop of
-   :func:`jaxmem.optimize` compiles them and keeps the fastest by compiled time.
-   When the verify loop re-plans under a tightened budget (``verify_budget_bytes``
-   is the budget as given), the fastest candidate that fits the budget as given
-   under the simulator goes along too (the tightening assumes every plan is
-   under-predicted as much as the one that missed, which is often not so); and
-   when no candidate fits, the lowest-peak other one without offloads simulated
-   within 20% over the budget as given (the simulator over-predicts some plans);
-   otherwise the fastest one without offloads estimated faster than the returned
-   plan and simulated within 10% over the budget as given (a compile decides whether
-   it fits).
+   :func:`jaxmem.optimize` compiles them and keeps the fastest by compiled time. When
+   the verify loop re-plans under a tightened budget (``verify_budget_bytes`` is the
+   budget as given), the fastest candidate that fits the budget as given under the
+   simulator goes along too (the tightening assumes every plan is under-predicted as
+   much as the one that missed, which is often not so); and when no candidate fits,
+   the lowest-peak other one without offloads simulated within 20% over the budget as
+   given (the simulator over-predicts some plans); otherwise the fastest one without
+   offloads estimated faster than the returned plan and simulated within 10% over the
+   budget as given (a compile decides whether it fits).
 5. **State placement** (``allow_state_offload``, level 4). ``greedy`` places
    parameters and optimizer state on pinned host when its remat and offload
    cannot fit; when no candidate fits without a placement, the same placement step
@@ -129,6 +127,7 @@ NAME = "cpsat"
 # given what is left; one not reached in time is skipped, and the notes say so), and
 # (of what is left) the fixed-order solve when the order may change afterwards.
 _HEURISTIC_SHARE = 0.5
+_BLOCK_SHARE = 0.2  # then the block-level solve's (with block_solve), after the heuristics
 # Heuristic planners whose plan does not depend on the budget (it only sets the status).
 _FIXED_PLANS = frozenset({"chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks"})
 # CP-SAT gets what is left of the time limit, nothing past it; when that is less than this
@@ -390,9 +389,10 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
                    f"re-issue or offload, and no plan is estimated faster; not solved",))
     # _choose scores the solver's plan as plain was scored: keep that much time for it
     score_s = time.perf_counter() - started
-    block = _solve_blocks(graph, budget_bytes, cost_model, opts, notes,
-                          started + _HEURISTIC_SHARE * float(opts.time_limit_s))
     heur = _heuristics(graph, budget_bytes, cost_model, opts, notes, plain, started)
+    block = _solve_blocks(graph, budget_bytes, cost_model, opts, notes, min(
+        time.perf_counter() + _BLOCK_SHARE * opts.time_limit_s,
+        started + opts.time_limit_s - score_s))
     c = coarsen(graph, budget_bytes, cost_model, max_nodes=int(opts.max_nodes),
                 reserve_bytes=int(opts.reserve_bytes), allow_remat=opts.allow_remat,
                 allow_offload=opts.allow_offload,
