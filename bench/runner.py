@@ -259,9 +259,9 @@ def _optimize(name: str, zoo: Any, budget_bytes: int, target: targets.Target,
             f"planner {name!r} is registered, but this jaxmem has no "
             f"{' or '.join('jaxmem.' + m for m in missing)} to trace, plan and emit a step with "
             f"it yet; nothing was compiled")
-    extra = {"options": dict(planner_options)} if planner_options else {}
     config = jaxmem.Config(budget=budget_bytes, target=target.name, planner=name,
-                           time_limit_s=time_limit_s, bitwise=bitwise, op_times=op_times, **extra)
+                           time_limit_s=time_limit_s, bitwise=bitwise, op_times=op_times,
+                           options=dict(planner_options) if planner_options else None)
     return jaxmem.optimize(zoo.fn, config=config, donate_argnums=zoo.donate_argnums)
 
 

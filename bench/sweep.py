@@ -87,9 +87,9 @@ def sweep_model(model: str, names: list[str], options: Options, target: targets.
 def _points(name: str, zoo: Any, none_bytes: int, options: Options,
             target: targets.Target) -> list[Point]:
     """One planner's sweep through ``jaxmem.pareto``; a failure of the sweep itself is one point."""
-    extra = {"options": options.options_for(name)} if options.options_for(name) else {}
     config = jaxmem.Config(target=target.name, planner=name, time_limit_s=options.time_limit_s,
-                           bitwise=options.bitwise, op_times=options.op_times, **extra)
+                           bitwise=options.bitwise, op_times=options.op_times,
+                           options=options.options_for(name) or None)
     step = jaxmem.optimize(zoo.fn, config=config, donate_argnums=zoo.donate_argnums)
     try:
         return jaxmem.pareto(step, *zoo.args, factor=options.sweep_factor,

@@ -4,6 +4,8 @@ and prints its own table. Run one from the repository root as
 
 * ``bounds MODEL SIZE BUDGETS_MIB [--planners ...]``: the lower bound on step time beside the
   planners' plans, and their gaps.
+* ``block_solve MODEL FRACTIONS``: the block-level solve's plans, its re-issues priced two
+  ways, against ``keep_matmuls_fit``'s, by the estimate and by the compiled roofline.
 * ``blocks MODEL SIZE FRACTIONS [OUT.jsonl]``: the zoo's scan variant with every block planned
   by jaxmem (``jaxmem.planned_policy()``), compiled for the H100 at fractions of the unplanned
   scan step's peak: status, device and host bytes, step time, the blocks' decisions.
@@ -12,6 +14,8 @@ and prints its own table. Run one from the repository root as
   ``jaxmem.targets.CPU_KEEP_REMAT``; random programs from :mod:`tests.random_programs`.
 * ``free_copies MODEL SIZE BUDGETS_MIB``: ``keep_matmuls_fit`` with and without the host
   copies the planners' estimate hides, and what the compiled step makes of them.
+* ``kernel_diff MODEL FRACTION PLANS [--size S]``: each plan's compiled kernels against the
+  unplanned step's, by signature, with the roofline time each change adds or saves.
 * ``op_times --models ... --size small --fractions ...``: whether profiled op times pick faster
   plans than the roofline; plans priced both ways, timed on the CPU against the plain step.
 * ``placement_batch MODEL [--scan] [--modes ...]``: the largest batch that fits with and

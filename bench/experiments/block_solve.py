@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bench.experiments import train_graph
+
 _MiB = 1 << 20
 
 
 def main(argv: list[str] | None = None) -> int:
-    import jaxmem.models as zoo
     import jaxmem.planners as registry
     from jaxmem import emit as emit_lib
-    from jaxmem.analysis.graph import build_graph
-    from jaxmem.cost.costmodel import CostModel
     from jaxmem.cost.measure import measure
     from jaxmem.planners import _block_solve
     from jaxmem.plans import plan as plan_lib
@@ -35,10 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model")
     p.add_argument("fractions", help="comma list of fractions of the unplanned peak")
     args = p.parse_args(argv)
-    zs = zoo.build(args.model, "bench", step="train")
-    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,
-                    arg_roles=zs.arg_roles, target="h100")
-    cost = CostModel.for_target("h100")
+    zs, g, cost = train_graph(args.model, "bench", "h100")
     none = plan_lib.simulate_plan(g, plan_lib.unplanned(g)).peak_bytes
     print(f"{args.model} bench, train step, h100: unplanned {none / _MiB:,.0f} MiB simulated")
     print("| budget | plan | simulated MiB | estimate ms | compiled roofline ms |")

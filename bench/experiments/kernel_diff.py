@@ -23,6 +23,8 @@ import re
 import sys
 from typing import Any
 
+from bench.experiments import train_graph
+
 _MiB = 1 << 20
 # A kernel's signature: its name less XLA's number, MiB moved, MFLOP done.
 Signature = tuple[str, int, int]
@@ -57,11 +59,8 @@ def changed(base: tuple[collections.Counter, dict], other: tuple[collections.Cou
 
 
 def main(argv: list[str] | None = None) -> int:
-    import jaxmem.models as zoo
     import jaxmem.planners as registry
     from jaxmem import emit as emit_lib
-    from jaxmem.analysis.graph import build_graph
-    from jaxmem.cost.costmodel import CostModel
     from jaxmem.cost.measure import measure
     from jaxmem.planners import _block_solve
     from jaxmem.planners._estimate import estimate_time_s
@@ -75,10 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="bench")
     p.add_argument("--rows", type=int, default=12, help="rows per plan (the costliest)")
     args = p.parse_args(argv)
-    zs = zoo.build(args.model, args.size, step="train")
-    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,
-                    arg_roles=zs.arg_roles, target="h100")
-    cost = CostModel.for_target("h100")
+    zs, g, cost = train_graph(args.model, args.size, "h100")
     unplanned = plan_lib.unplanned(g)
     budget = int(plan_lib.simulate_plan(g, unplanned).peak_bytes * args.fraction)
 
