@@ -25,8 +25,10 @@ True
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import hashlib
 import os
 from typing import Any, Literal, Mapping
 
@@ -168,6 +170,30 @@ class Target:
         """The first device of this target."""
         return self.devices(1)[0]
 
+    def compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        """``lowered`` compiled with this target's options.
+
+        On a compile-only target a program compiled before in this process (the same text,
+        argument and output trees and options: the same plan at two budgets of a sweep, a
+        step decorated twice) is not compiled again: its compiled form, which holds no
+        device memory and cannot run, is handed out again (the last
+        :data:`COMPILED_KEPT` are kept). A target that runs compiles every time, as
+        ``jax.jit`` does on a new function.
+        """
+        options = self.compiler_options
+        if not self.compile_only:
+            return lowered.compile(compiler_options=options)
+        key = hashlib.sha256("\n".join(
+            (self.name, repr(sorted(options.items())), str(lowered.in_tree),
+             str(lowered.out_tree), lowered.as_text())).encode()).hexdigest()
+        if key in _COMPILED:
+            _COMPILED.move_to_end(key)
+            return _COMPILED[key]
+        compiled = _COMPILED[key] = lowered.compile(compiler_options=options)
+        while len(_COMPILED) > COMPILED_KEPT:
+            _COMPILED.popitem(last=False)
+        return compiled
+
     def place(self, tree: Any) -> Any:
         """Place a pytree of arrays / ``ShapeDtypeStruct``s on this target's device.
 
@@ -186,6 +212,12 @@ class Target:
             return jax.device_put(leaf, sharding)
 
         return jax.tree_util.tree_map(one, tree)
+
+
+# Programs compiled for compile-only targets, by a digest of what their compile depends on
+# (Target.compile), oldest first.
+COMPILED_KEPT = 32
+_COMPILED: collections.OrderedDict[str, jax.stages.Compiled] = collections.OrderedDict()
 
 
 def _gpu_target_config(t: Target) -> str:

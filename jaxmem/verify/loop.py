@@ -82,10 +82,12 @@ def compile_plan(graph: Any, plan: plan_lib.Plan, target: targets_lib.Target,
                  abstract_args: Sequence[Any], donate_argnums: tuple[int, ...],
                  counters: dict[str, float]) -> tuple[Any, jax.stages.Compiled, int, int]:
     """Emit ``plan`` and compile it for ``target``: the jitted step, its compiled form and
-    its device and host bytes; counts the compile and its seconds in ``counters``."""
+    its device and host bytes; counts the compile and its seconds in ``counters`` (a
+    program compiled before for a compile-only target is not compiled again:
+    :meth:`~jaxmem.targets.Target.compile`)."""
     began = time.perf_counter()
     jitted = jax.jit(emit_lib.emit(graph, plan), donate_argnums=donate_argnums)
-    compiled = jitted.lower(*abstract_args).compile(compiler_options=target.compiler_options)
+    compiled = target.compile(jitted.lower(*abstract_args))
     counters["compiles"] = counters.get("compiles", 0) + 1
     counters["compile_s"] = counters.get("compile_s", 0.0) + time.perf_counter() - began
     dev, host = device_bytes(compiled)
