@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import threading
 from typing import Any, Literal, Mapping
 
 import jax
@@ -186,12 +187,15 @@ class Target:
         key = hashlib.sha256("\n".join(
             (self.name, repr(sorted(options.items())), str(lowered.in_tree),
              str(lowered.out_tree), lowered.as_text())).encode()).hexdigest()
-        if key in _COMPILED:
-            _COMPILED.move_to_end(key)
-            return _COMPILED[key]
-        compiled = _COMPILED[key] = lowered.compile(compiler_options=options)
-        while len(_COMPILED) > COMPILED_KEPT:
-            _COMPILED.popitem(last=False)
+        with _COMPILED_LOCK:
+            if key in _COMPILED:
+                _COMPILED.move_to_end(key)
+                return _COMPILED[key]
+        compiled = lowered.compile(compiler_options=options)
+        with _COMPILED_LOCK:
+            _COMPILED[key] = compiled
+            while len(_COMPILED) > COMPILED_KEPT:
+                _COMPILED.popitem(last=False)
         return compiled
 
     def place(self, tree: Any) -> Any:
@@ -218,6 +222,7 @@ class Target:
 # (Target.compile), oldest first.
 COMPILED_KEPT = 32
 _COMPILED: collections.OrderedDict[str, jax.stages.Compiled] = collections.OrderedDict()
+_COMPILED_LOCK = threading.Lock()
 
 
 def _gpu_target_config(t: Target) -> str:
