@@ -99,7 +99,9 @@ class CacheInfo:
       entries: abstract signatures planned and verified.
       plans: planner calls.
       compiles: compiles for the target: the verify loop's, and those choosing the
-        decision table of the step's blocks (``jaxmem.remat`` blocks, scan bodies).
+        decision table of the step's blocks (``jaxmem.remat`` blocks, scan bodies); a
+        program compiled before in the process for a compile-only target counts though it
+        is reused, not compiled again (:meth:`jaxmem.targets.Target.compile`).
       fallbacks: signatures run unplanned (unsupported constructs).
       disk_hits / disk_misses: plans loaded from / not found in the on-disk
         plan cache (``Config(plan_cache=...)``).
