@@ -23,13 +23,12 @@ import pytest
 
 import jaxmem.models as zoo
 import jaxmem.planners as registry
+from bench.bf16 import ROUNDED_AS_WRITTEN
 from jaxmem import emit as emit_lib, targets
 from jaxmem.analysis.graph import build_graph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners import _shared as shared
 from jaxmem.plans import plan as plan_lib
-
-ROUNDED_AS_WRITTEN = {"xla_allow_excess_precision": False}
 
 
 @pytest.fixture(scope="module")
