@@ -11,9 +11,7 @@ from jaxmem import targets
 
 
 def _lowered(target, fn, donate=()):
-    device = target.device()
-    x = jax.ShapeDtypeStruct((64, 64), jnp.float32,
-                             sharding=jax.sharding.SingleDeviceSharding(device))
+    x = target.place(jax.ShapeDtypeStruct((64, 64), jnp.float32))
     return jax.jit(fn, donate_argnums=donate).lower(x)
 
 
