@@ -28,10 +28,11 @@ How it runs, within ``time_limit_s``:
    ``greedy`` and ``sublinear``) are mapped onto the coarse problem and
    repaired greedily (:mod:`._cpsat_hint`) until they fit the model's memory, in the
    simulator's ranking; the best in the model's terms becomes the solver's hint. The
-   heuristics run in turn within half of ``time_limit_s``, each search given what is
-   left of it (one that is not reached in time is skipped, and the notes say so);
-   repairs stop after another 15% (on a 7,000-op step they took minutes). The plans
-   that do not depend on the budget are kept in ``memo`` for the verify loop's re-plans.
+   heuristics run in turn within half of ``time_limit_s``, the searches with a quarter
+   of their own that the plans before them cannot spend (:mod:`._cpsat_heuristics`;
+   one that is not reached in time is skipped, and the notes say so); repairs stop
+   after another 15% (on a 7,000-op step they took minutes). The plans that do not
+   depend on the budget are kept in ``memo`` for the verify loop's re-plans.
    With ``block_solve``, the step solved over its repeated layers (:mod:`._block_solve`)
    follows within a fifth of the limit: a plan of the solver's own, as step 3's is.
 2. **Fixed order.** The order of the warm start is kept and CP-SAT decides
@@ -109,12 +110,11 @@ import time
 from typing import Any, Mapping, Sequence
 
 from jaxmem.planners import _block_solve, _cpsat_model
+from jaxmem.planners._cpsat_heuristics import Scored, heuristics as _heuristics, score
 from jaxmem.planners._cpsat_hint import repair
 from jaxmem.planners._cpsat_problem import Evaluation, Schedule, evaluate
-from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners._options import PlannerOptions, check_options
-from jaxmem.planners._principles import without_constant_decisions
-from jaxmem.planners._registry import get, register
+from jaxmem.planners._registry import register
 from jaxmem.planners.blocks import SAVE
 from jaxmem.planners.coarsen import Coarsening, coarsen, plan_schedule, schedule_fields
 from jaxmem.planners.greedy import place_state
@@ -123,13 +123,9 @@ from jaxmem.plans import placement as placement_lib, plan as plan_lib
 logger = logging.getLogger(__name__)
 
 NAME = "cpsat"
-# Shares of the time limit: the heuristic planners together (run in turn, each search
-# given what is left; one not reached in time is skipped, and the notes say so), and
-# (of what is left) the fixed-order solve when the order may change afterwards.
-_HEURISTIC_SHARE = 0.5
-_BLOCK_SHARE = 0.2  # then the block-level solve's (with block_solve), after the heuristics
-# Heuristic planners whose plan does not depend on the budget (it only sets the status).
-_FIXED_PLANS = frozenset({"chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks"})
+# Share of the time limit of the block-level solve (with block_solve), after the
+# heuristics (their shares: :mod:`._cpsat_heuristics`).
+_BLOCK_SHARE = 0.2
 # CP-SAT gets what is left of the time limit, nothing past it; when that is less than this
 # share of the limit (the heuristics overran theirs), the notes say so.
 _SOLVE_SHARE = 0.25
@@ -215,25 +211,8 @@ class CpsatOptions(PlannerOptions):
                                  f"'blocks:<save>' with <save> one of {', '.join(SAVE)}")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Scored:
-    """A candidate plan with the simulator's peak and the estimated time."""
-
-    name: str
-    plan: plan_lib.Plan
-    peak_bytes: int
-    time_s: float
-
-
-def _score(graph: Any, name: str, plan: plan_lib.Plan, cost_model: Any) -> _Scored:
-    """``plan`` with its simulated peak and estimated time, its state placement included
-    (greedy's ``allow_state_offload`` plans place some; the others place none)."""
-    return _Scored(name, plan, plan_lib.simulate_plan(graph, plan).peak_bytes,
-                   estimate_time_s(graph, plan, cost_model))
-
-
-def _placed(graph: Any, s: _Scored, budget_bytes: int, cost_model: Any,
-            opts: CpsatOptions) -> _Scored | None:
+def _placed(graph: Any, s: Scored, budget_bytes: int, cost_model: Any,
+            opts: CpsatOptions) -> Scored | None:
     """``s`` with parameters and optimizer state placed on pinned host until it fits (the
     greedy planner's last step, :func:`jaxmem.planners.greedy.place_state`), or None when
     placing nothing lowers its peak."""
@@ -243,90 +222,11 @@ def _placed(graph: Any, s: _Scored, budget_bytes: int, cost_model: Any,
     if not placed:
         return None
     host_update = placement_lib.choose_host_update(graph, cost_model, list(placed))
-    return _score(graph, _PLACED_NAME.format(s.name),
+    return score(graph, _PLACED_NAME.format(s.name),
                   s.plan.replace(placement=placed, host_update=host_update), cost_model)
 
 
-def _heuristic_options(name: str, opts: CpsatOptions, left_s: float
-                       ) -> dict[str, Any] | None:
-    """The options a heuristic planner accepts, or None when it cannot obey ``opts``;
-    the searches among them get ``left_s`` seconds.
-
-    ``"blocks:dots"`` is ``blocks`` with ``save="dots"`` (any of its ``SAVE`` values).
-    """
-    name, _, save = name.partition(":")
-    if save:
-        sub = _heuristic_options(name, opts, left_s)
-        return None if sub is None else {**sub, "save": save}
-    if name == "greedy":
-        return {"allow_remat": opts.allow_remat, "allow_offload": opts.allow_offload,
-                "allow_state_offload": opts.allow_state_offload,
-                "host_budget_bytes": opts.host_budget_bytes, "time_limit_s": left_s}
-    if name in ("sublinear", "keep_matmuls_fit"):
-        return {"bitwise": opts.bitwise, "time_limit_s": left_s} if opts.allow_remat \
-            else None
-    if name in ("chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks"):
-        return {"bitwise": opts.bitwise} if opts.allow_remat else None
-    if name in ("order_bfs", "order_dfs"):
-        return {"fine_tune_s": left_s} if opts.allow_reorder else None
-    return {}
-
-
-def _heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: CpsatOptions,
-                notes: list[str], plain: _Scored, started: float) -> list[_Scored]:
-    """Program order unchanged (``plain``), and each registered heuristic planner's plan,
-    in turn until ``_HEURISTIC_SHARE`` of the time limit (from ``started``) is spent."""
-    out = [plain]
-    limit = _HEURISTIC_SHARE * float(opts.time_limit_s)
-    deadline = started + limit
-    skipped = []
-    for name in opts.heuristics:
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            skipped.append(name)
-            continue
-        sub = _heuristic_options(name, opts, left)
-        if sub is None:
-            continue
-        key = (NAME, name, tuple(sorted(sub.items())))
-        memo = opts.memo if name.partition(":")[0] in _FIXED_PLANS else None
-        if memo is not None and key in memo:
-            out.append(memo[key])
-            notes.append(f"heuristic {name!r}: the plan of an earlier round, "
-                         f"{out[-1].peak_bytes:,} B, {out[-1].time_s:.4g} s estimated")
-            continue
-        try:
-            entry = get(name.partition(":")[0])
-        except ValueError:
-            notes.append(f"heuristic {name!r} is not registered; skipped")
-            logger.info("cpsat: heuristic planner %r is not registered; skipped", name)
-            continue
-        began = time.perf_counter()
-        try:
-            # The planner itself, not its registry wrapper: the step as written was found
-            # over the budget already (no second simulation of it per heuristic).
-            assert entry.fn is not None  # (a planner: only a peer has no function)
-            fn = getattr(entry.fn, "__wrapped__", entry.fn)
-            plan = without_constant_decisions(graph, fn(graph, budget_bytes, cost_model, sub))
-        except Exception as err:  # a failing heuristic must not sink the solver: report it
-            notes.append(f"heuristic {name!r} failed: {type(err).__name__}: {err}")
-            logger.warning("cpsat: heuristic planner %r failed (%s: %s); continuing without it",
-                           name, type(err).__name__, err)
-            continue
-        out.append(_score(graph, name, plan, cost_model))
-        if memo is not None:
-            memo[key] = out[-1]
-        notes.append(f"heuristic {name!r}: {time.perf_counter() - began:.2f} s, "
-                     f"{out[-1].peak_bytes:,} B, {out[-1].time_s:.4g} s estimated")
-    if skipped:
-        notes.append(f"heuristics skipped, their {limit:.3g} s spent: "
-                     f"{', '.join(map(repr, skipped))}; this plan may not repeat exactly")
-        logger.info("cpsat: heuristics' time (%.3g s) spent; skipped %s", limit,
-                    ", ".join(skipped))
-    return out
-
-
-def _warm_start(c: Coarsening, heur: list[_Scored], budget_bytes: int, deadline: float,
+def _warm_start(c: Coarsening, heur: list[Scored], budget_bytes: int, deadline: float,
                 notes: list[str]) -> tuple[Schedule, Evaluation, str]:
     """A heuristic plan as the solver's hint, repaired to fit the model's memory.
 
@@ -376,7 +276,7 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
     started = time.perf_counter()
     opts = check_options(NAME, options, CpsatOptions)
     notes: list[str] = []
-    plain = _score(graph, "program order",
+    plain = score(graph, "program order",
                    plan_lib.unplanned(graph, planner=NAME, budget_bytes=budget_bytes), cost_model)
     if plain.peak_bytes <= budget_bytes:
         # Every plan runs each op at least once, so nothing is faster than the step as
@@ -434,19 +334,19 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
 
 
 def _solve_blocks(graph: Any, budget_bytes: int, cost_model: Any, opts: CpsatOptions,
-                  notes: list[str], deadline: float) -> tuple[_Scored, str] | None:
+                  notes: list[str], deadline: float) -> tuple[Scored, str] | None:
     """The block-level solve's plan (:func:`._block_solve.solve_reported`), scored."""
     solved = opts.block_solve and _block_solve.solve_reported(
         graph, budget_bytes, cost_model, notes, opts, deadline)
     if not solved or (p := solved.plan) is None:
         return None
-    return _Scored(_block_solve.NAME, p, p.predicted_peak_bytes, p.predicted_time_s or 0.0), \
+    return Scored(_block_solve.NAME, p, p.predicted_peak_bytes, p.predicted_time_s or 0.0), \
         solved.status
 
 
 def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
-            result: _cpsat_model.SolveResult | None, heur: list[_Scored], notes: list[str],
-            started: float, opts: CpsatOptions, block: tuple[_Scored, str] | None = None
+            result: _cpsat_model.SolveResult | None, heur: list[Scored], notes: list[str],
+            started: float, opts: CpsatOptions, block: tuple[Scored, str] | None = None
             ) -> plan_lib.Plan:
     """The fastest plan that fits, the solver's preferred (the coarse model's or the
     block-level solve's, ``block`` with its status); else the lowest peak.
@@ -462,7 +362,7 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
         plan = plan_lib.Plan(order=order, remat=remat, offload=offload, placement={},
                              planner=NAME, budget_bytes=budget_bytes, predicted_peak_bytes=0,
                              predicted_time_s=None)
-        solver = _score(graph, "cpsat", plan, cost_model)
+        solver = score(graph, "cpsat", plan, cost_model)
         assert result.time is not None and result.peak is not None  # (a schedule has both)
         notes.append(f"solver's model: step time {result.time * c.tick_s:.4g} s, peak "
                      f"{result.peak * c.unit_bytes + c.fixed_bytes:,} B (it counts memory per "
@@ -552,13 +452,13 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
 
 
 def _with_state_placed(graph: Any, budget_bytes: int, cost_model: Any, opts: CpsatOptions,
-                       solver: _Scored | None, heur: list[_Scored],
-                       notes: list[str]) -> list[_Scored]:
+                       solver: Scored | None, heur: list[Scored],
+                       notes: list[str]) -> list[Scored]:
     """The solver's plan and the ``_PLACED`` lowest-peak other heuristic plans without a
     placement (no two with the same decisions), each with state placed on pinned host
     (those whose peak it lowers)."""
     seen = {solver.plan.decisions()} if solver else set()
-    bare: list[_Scored] = []
+    bare: list[Scored] = []
     for s in sorted((s for s in heur if not s.plan.placement),
                     key=lambda s: (s.peak_bytes, s.time_s)):
         if len(bare) < _PLACED and s.plan.decisions() not in seen:
@@ -576,8 +476,8 @@ def _with_state_placed(graph: Any, budget_bytes: int, cost_model: Any, opts: Cps
     return out
 
 
-def _loose(pool: list[_Scored], budget_bytes: int, given: int | None,
-           nothing_fits: bool, best_time_s: float) -> list[tuple[_Scored, str]]:
+def _loose(pool: list[Scored], budget_bytes: int, given: int | None,
+           nothing_fits: bool, best_time_s: float) -> list[tuple[Scored, str]]:
     """A candidate over ``budget_bytes`` worth one compile (``given``: the budget as the
     user gave it, when the verify loop tightened ``budget_bytes``): the fastest that
     fits ``given`` under the simulator; else, when nothing fits, the lowest-peak one
@@ -606,9 +506,9 @@ def _loose(pool: list[_Scored], budget_bytes: int, given: int | None,
              f"a compile")] if faster else []
 
 
-def _alternatives(best: _Scored, fits: list[_Scored], budget_bytes: int, started: float,
-                  notes: list[str], loose: Sequence[tuple[_Scored, str]] = (),
-                  own: Sequence[tuple[_Scored, float | None, float | None, str]] = (),
+def _alternatives(best: Scored, fits: list[Scored], budget_bytes: int, started: float,
+                  notes: list[str], loose: Sequence[tuple[Scored, str]] = (),
+                  own: Sequence[tuple[Scored, float | None, float | None, str]] = (),
                   candidates: tuple[plan_lib.Candidate, ...] = ()
                   ) -> tuple[plan_lib.Plan, ...]:
     """Other fitting candidates close to ``best`` in estimated time, fastest first; then
@@ -618,7 +518,7 @@ def _alternatives(best: _Scored, fits: list[_Scored], budget_bytes: int, started
     seen = {best.plan.decisions()}
     out = []
 
-    def add(s: _Scored, why: str) -> None:
+    def add(s: Scored, why: str) -> None:
         seen.add(s.plan.decisions())
         mine = next((o for o in own if o[0] is s), None)
         if mine is not None:

@@ -555,7 +555,8 @@ def test_a_replan_hands_over_a_candidate_that_fits_the_budget_as_given():
 def test_loose_candidates_are_chosen_by_the_rule_the_docstring_gives():
     """Within the budget as given: the fastest; else, when nothing fits, the lowest peak
     within 20% over it; else one estimated faster than the chosen plan within 10%."""
-    from jaxmem.planners.cpsat import _loose, _Scored
+    from jaxmem.planners._cpsat_heuristics import Scored as _Scored
+    from jaxmem.planners.cpsat import _loose
 
     def cand(name, peak, t, offload=False):
         plan = plan_lib.Plan(order=(), remat={}, offload={0: 1} if offload else {}, placement={},
@@ -583,7 +584,8 @@ def test_the_solvers_plan_handed_over_as_an_alternative_keeps_its_status_and_bou
     """When a heuristic's plan ranks first, the solver's close plan still goes to the verify
     loop; if the compile keeps it, it is the solver's plan (status ok, with its bound and
     gap), not a fallback."""
-    from jaxmem.planners.cpsat import _alternatives, _Scored
+    from jaxmem.planners._cpsat_heuristics import Scored as _Scored
+    from jaxmem.planners.cpsat import _alternatives
 
     def cand(name, peak, t):
         plan = plan_lib.Plan(order=(), remat={len(name): 1}, offload={}, placement={},
@@ -601,29 +603,54 @@ def test_the_solvers_plan_handed_over_as_an_alternative_keeps_its_status_and_bou
     assert theirs.lower_bound is None and theirs.gap is None
 
 
-def test_the_heuristics_share_the_time_limit_and_those_not_reached_are_named(monkeypatch):
-    import sys
+def test_the_searches_run_when_the_fixed_plans_spent_the_heuristics_share(monkeypatch):
+    """On a machine slow enough that the fixed plans take the heuristics' whole half of
+    the limit, the fixed plans past their share are skipped (and named), and the searches
+    still run, with a window of a quarter of the limit from where they start: half of
+    what is left to the first, half again to the second, the rest to the last."""
     import types
+
+    import jaxmem.planners._cpsat_heuristics as heuristics_module
+    import jaxmem.planners.cpsat as cpsat_module
 
     loss, ws, x = tiny_mlp(4)
     g = build_graph(jax.grad(loss), ws, x)
     budget = unplanned_peak(g) * 8 // 10
-    # heuristics get half of 0.01 s: the first runs, the rest are skipped. cpsat's clock
-    # ticks 1 ms a reading, so that a slow simulation of the step as written (a loaded
-    # machine) cannot spend the 5 ms before the first heuristic starts.
-    ticks = itertools.count()
-    monkeypatch.setattr(sys.modules["jaxmem.planners.cpsat"], "time",
-                        types.SimpleNamespace(perf_counter=lambda: next(ticks) / 1000))
-    plan = plan_cpsat(g, budget, H100, {"time_limit_s": 0.01})
-    monkeypatch.undo()
-    ran = [n for n in plan.notes if n.startswith("heuristic '")]
+    clock = [0.0]  # stands still but for the fixed plans, which take 0.2 s each
+    fake = types.SimpleNamespace(perf_counter=lambda: clock[0])
+    given = {}
+
+    def slow(name):
+        entry = get(name)
+        fn = entry.fn.__wrapped__
+
+        def timed(graph, budget_bytes, cost_model, options):
+            given[name] = options.get("time_limit_s")
+            if name in heuristics_module.FIXED_PLANS:
+                clock[0] += 0.2
+            return fn(graph, budget_bytes, cost_model, options)
+
+        return types.SimpleNamespace(fn=timed)
+
+    with monkeypatch.context() as m:
+        for module in (cpsat_module, heuristics_module):
+            m.setattr(module, "time", fake)
+        m.setattr(heuristics_module, "get", slow)
+        plan = plan_cpsat(g, budget, H100, {"time_limit_s": 1.0, "allow_offload": False})
     [skipped] = [n for n in plan.notes if n.startswith("heuristics skipped")]
-    assert ran and ran[0].startswith("heuristic 'chen'")
-    assert "'sublinear'" in skipped and "may not repeat exactly" in skipped
-    own = ("cpsat", "program order")
-    assert [c.name for c in plan.candidates if c.name not in own] == ["chen"]
+    assert "'keep_matmuls_no_batch', 'blocks'," in skipped and "may not repeat" in skipped
+    assert "'greedy'" not in skipped and "'sublinear'" not in skipped
+    # fixed plans until 0.25 s: two of them run; the searches' window: 0.4 + 0.25 s, half
+    # of what is left to each but the last, and (the clock stands still in them) what one
+    # does not use passes on
+    assert list(given) == ["chen", "keep_matmuls", "keep_matmuls_fit", "greedy", "sublinear"]
+    assert [given[n] for n in ("keep_matmuls_fit", "greedy", "sublinear")] == pytest.approx(
+        [0.125, 0.125, 0.25])
+    ran = {c.name for c in plan.candidates}
+    assert {"chen", "keep_matmuls", "keep_matmuls_fit", "greedy", "sublinear"} <= ran
     roomy = plan_cpsat(g, budget, H100, FAST)
     assert not any(n.startswith("heuristics skipped") for n in roomy.notes)
+    own = ("cpsat", "program order")
     assert len([c for c in roomy.candidates if c.name not in own]) == 9
 
 
@@ -663,7 +690,8 @@ def test_the_solves_deterministic_budgets_do_not_depend_on_the_clock(monkeypatch
 
         fake = types.SimpleNamespace(perf_counter=now)
         with monkeypatch.context() as m:
-            for module in (cpsat_module, model, sys.modules["jaxmem.planners._cpsat_hint"]):
+            for module in (cpsat_module, model, sys.modules["jaxmem.planners._cpsat_hint"],
+                           sys.modules["jaxmem.planners._cpsat_heuristics"]):
                 m.setattr(module, "time", fake)
             m.setattr(cpsat_module, "_heuristics", slow_heuristics)
             m.setattr(model, "solve", recorded)
@@ -681,3 +709,35 @@ def test_the_solves_deterministic_budgets_do_not_depend_on_the_clock(monkeypatch
     assert [d for d, _, _ in given] == pytest.approx([1.2, 1.8])
     with pytest.raises(ValueError, match="deterministic_time_s"):
         plan_cpsat(g, budget, H100, {"deterministic_time_s": 0})
+
+
+@pytest.mark.parametrize("step,budget_fraction", [("mlp", 0.8), ("mlp", 0.5), ("gpt2", 0.6)])
+def test_a_heuristics_own_scores_are_the_simulators_and_the_estimate(step, budget_fraction):
+    """cpsat takes a heuristic plan's peak and time from the plan as its planner returned
+    it (no second simulation): for every default heuristic they are what scoring it anew
+    gives (a plain MLP's gradient; the zoo's tiny GPT-2 train step, with dropout and
+    AdamW)."""
+    import jaxmem.models as zoo
+    from jaxmem.planners import _cpsat_heuristics as heuristics_module
+    from jaxmem.planners._principles import without_constant_decisions
+    from jaxmem.planners.cpsat import CpsatOptions
+
+    if step == "mlp":
+        loss, ws, x = tiny_mlp(4)
+        g = build_graph(jax.grad(loss), ws, x)
+    else:
+        zs = zoo.build(step, "tiny", step="train")
+        g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,
+                        arg_roles=zs.arg_roles)
+    budget = int(budget_fraction * unplanned_peak(g))
+    opts = CpsatOptions()
+    reused = 0
+    for name in opts.heuristics:
+        sub = heuristics_module.options_for(name, opts, 4.0)
+        raw = get(name.partition(":")[0]).fn.__wrapped__(g, budget, H100, sub)
+        plan = without_constant_decisions(g, raw)
+        mine = heuristics_module.rescored(g, name, plan, H100, plan is raw)
+        anew = heuristics_module.score(g, name, plan, H100)
+        assert (mine.peak_bytes, mine.time_s) == (anew.peak_bytes, anew.time_s), name
+        reused += plan is raw and not plan.placement
+    assert reused >= len(opts.heuristics) - 1

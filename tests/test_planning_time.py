@@ -148,12 +148,14 @@ def test_cpsat_plans_a_step_within_a_short_limit(monkeypatch):
     """``planner="cpsat"``, ``time_limit_s=2``, every round over the budget: in the worst
     case (each search ends 0.1 s after the heuristics' share, each solve runs to its wall
     limit) the planning of all rounds ends within the limit plus a few clock readings."""
+    import jaxmem.planners._cpsat_heuristics as heuristics_module
     import jaxmem.planners._cpsat_hint as hint_module
     import jaxmem.planners._cpsat_model as model_module
     import jaxmem.planners.cpsat as cpsat_module
 
     clock = FakeClock(tick=1e-4)
-    clock.install(monkeypatch, verify_lib, optimize_lib, cpsat_module, model_module, hint_module)
+    clock.install(monkeypatch, verify_lib, optimize_lib, cpsat_module, model_module, hint_module,
+                  heuristics_module)
     heuristics, solve = cpsat_module._heuristics, model_module.solve
     walls = []
 
@@ -185,13 +187,14 @@ def test_cpsat_plans_a_step_within_a_short_limit(monkeypatch):
 
 
 def test_cpsat_does_not_solve_when_the_heuristics_spent_the_limit(monkeypatch):
+    import jaxmem.planners._cpsat_heuristics as heuristics_module
     import jaxmem.planners._cpsat_model as model_module
     import jaxmem.planners.cpsat as cpsat_module
     from jaxmem.analysis.graph import build_graph
     from jaxmem.cost.costmodel import CostModel
 
     clock = FakeClock(tick=1e-4)
-    clock.install(monkeypatch, cpsat_module, model_module)
+    clock.install(monkeypatch, cpsat_module, model_module, heuristics_module)
     heuristics = cpsat_module._heuristics
 
     def overran(*args):
