@@ -8,15 +8,18 @@ Two kinds, run in the order ``CpsatOptions.heuristics`` gives:
 * **searches** (``keep_matmuls_fit``, ``greedy``, ``sublinear``, and any other
   registered planner): they search for the budget and improve with the seconds they get.
 
-Of ``time_limit_s`` the heuristics take ``HEURISTIC_SHARE`` together, and the searches
-have ``SEARCH_SHARE`` of their own: the fixed plans stop where only the searches' share
-is left, and the searches' window is at least ``SEARCH_SHARE`` from where they start
-(so a slow machine, on which the fixed plans take longer, delays the searches but does
-not skip them). Each search gets what is left of the window: a search that has not
-reached the budget yet returns a plan over it, so splitting the window would leave each
-search short of a fit (``keep_matmuls_fit`` on GPT-2 at half its unplanned peak needs
-about 5 s); what one does not use goes to the next. A heuristic not reached in time is
-skipped, and the notes say so.
+They run in turn within ``HEURISTIC_SHARE`` of ``time_limit_s``, each search given what
+is left of it; a heuristic not reached in time is skipped, and the notes say so. On
+GPT-2 at bench size the fixed plans take about 1.5 s each and ``keep_matmuls_fit`` all
+that is left at tight budgets, so ``greedy`` and ``sublinear`` run there only in the
+verify loop's re-plans (the fixed plans memoized).
+
+With ``search_share`` (an option of ``cpsat``, 0 by default) the searches have that
+share of the limit of their own: the fixed plans stop where only it is left of the
+heuristics' half, and the searches' window is at least that share from where they start,
+so that on a slow machine they start late but run. It is off by default because it does
+not help there: it skips ``blocks:dots`` in the first call and compiles slower at two
+GPT-2 budgets of seven (docs/planners.md, "A share of the limit for the searches").
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from jaxmem.plans import plan as plan_lib
 logger = logging.getLogger("jaxmem.planners.cpsat")
 
 HEURISTIC_SHARE = 0.5
-SEARCH_SHARE = 0.25
 # Heuristic planners whose plan does not depend on the budget (it only sets the status).
 FIXED_PLANS = frozenset({"chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks"})
 
@@ -93,21 +95,22 @@ def options_for(name: str, opts: Any, left_s: float | None) -> dict[str, Any] | 
 
 def heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: Any,
                notes: list[str], plain: Scored, started: float) -> list[Scored]:
-    """Program order unchanged (``plain``), and each heuristic planner's plan in turn,
-    within the shares of the module docstring (from ``started``)."""
+    """Program order unchanged (``plain``), and each heuristic planner's plan in turn
+    until ``HEURISTIC_SHARE`` of the time limit (from ``started``) is spent."""
     out = [plain]
-    limit = float(opts.time_limit_s)
-    fixed_end = started + (HEURISTIC_SHARE - SEARCH_SHARE) * limit
+    limit = HEURISTIC_SHARE * float(opts.time_limit_s)
+    deadline = started + limit
+    own = float(opts.search_share) * float(opts.time_limit_s)
     search_end = None
     skipped = []
     for name in opts.heuristics:
         now = time.perf_counter()
-        if name.partition(":")[0] not in FIXED_PLANS:
-            if search_end is None:
-                search_end = max(started + HEURISTIC_SHARE * limit, now + SEARCH_SHARE * limit)
-            left = search_end - now
+        if name.partition(":")[0] in FIXED_PLANS:
+            left = deadline - own - now
         else:
-            left = fixed_end - now
+            if search_end is None:
+                search_end = max(deadline, now + own)
+            left = search_end - now
         if left <= 0:
             skipped.append(name)
             continue
@@ -146,7 +149,8 @@ def heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: Any,
                      f"{f' of {left:.3g}' if 'time_limit_s' in sub else ''}, "
                      f"{out[-1].peak_bytes:,} B, {out[-1].time_s:.4g} s estimated")
     if skipped:
-        notes.append(f"heuristics skipped, their time spent: {', '.join(map(repr, skipped))}; "
-                     f"this plan may not repeat exactly")
-        logger.info("cpsat: heuristics' time spent; skipped %s", ", ".join(skipped))
+        notes.append(f"heuristics skipped, their {limit:.3g} s spent: "
+                     f"{', '.join(map(repr, skipped))}; this plan may not repeat exactly")
+        logger.info("cpsat: heuristics' time (%.3g s) spent; skipped %s", limit,
+                    ", ".join(skipped))
     return out

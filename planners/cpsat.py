@@ -28,11 +28,11 @@ How it runs, within ``time_limit_s``:
    ``greedy`` and ``sublinear``) are mapped onto the coarse problem and
    repaired greedily (:mod:`._cpsat_hint`) until they fit the model's memory, in the
    simulator's ranking; the best in the model's terms becomes the solver's hint. The
-   heuristics run in turn within half of ``time_limit_s``, the searches with a quarter
-   of their own that the plans before them cannot spend (:mod:`._cpsat_heuristics`;
-   one that is not reached in time is skipped, and the notes say so); repairs stop
-   after another 15% (on a 7,000-op step they took minutes). The plans that do not
-   depend on the budget are kept in ``memo`` for the verify loop's re-plans.
+   heuristics run in turn within half of ``time_limit_s``, each search given what is
+   left of it (:mod:`._cpsat_heuristics`; one that is not reached in time is skipped,
+   and the notes say so); repairs stop after another 15% (on a 7,000-op step they took
+   minutes). The plans that do not depend on the budget are kept in ``memo`` for the
+   verify loop's re-plans.
    With ``block_solve``, the step solved over its repeated layers (:mod:`._block_solve`)
    follows within a fifth of the limit: a plan of the solver's own, as step 3's is.
 2. **Fixed order.** The order of the warm start is kept and CP-SAT decides
@@ -172,6 +172,9 @@ class CpsatOptions(PlannerOptions):
       tie_blocks: equal decisions for items at the same place of repeated layers.
       block_solve: solve the step over its repeated layers too (step 1; off by default:
         its plans win by the planners' estimate and not yet by the compiled roofline).
+      search_share: share of ``time_limit_s`` the searches among the heuristics have of
+        their own, which the fixed plans before them cannot spend (0: none; the searches
+        get what is left of the heuristics' half; :mod:`._cpsat_heuristics`).
       min_decision_bytes: buffers smaller than this are always kept (``None``:
         ``budget / 2000``: fewer variables, little memory left on the table).
       heuristics: registered planners, run in this order, whose plans warm-start the
@@ -189,6 +192,7 @@ class CpsatOptions(PlannerOptions):
     deterministic_time_s: float | None = None
     tie_blocks: bool = False
     block_solve: bool = False
+    search_share: float = 0.0
     min_decision_bytes: int | None = None
     # one simulation each first (their plans do not depend on the budget: a re-plan of
     # the verify loop reuses them), then the searches, which share what is left
@@ -201,6 +205,9 @@ class CpsatOptions(PlannerOptions):
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise ValueError(f"cpsat: {key}={value!r} must be a positive number of seconds")
+        if not 0 <= self.search_share <= 0.5:
+            raise ValueError(f"cpsat: search_share={self.search_share!r} must be in [0, 0.5], "
+                             f"a share of the heuristics' half of time_limit_s")
         for key in ("num_workers", "max_copies", "max_nodes"):
             if getattr(self, key) < 1:
                 raise ValueError(f"cpsat: {key}={getattr(self, key)!r} must be an integer >= 1")
@@ -223,7 +230,7 @@ def _placed(graph: Any, s: Scored, budget_bytes: int, cost_model: Any,
         return None
     host_update = placement_lib.choose_host_update(graph, cost_model, list(placed))
     return score(graph, _PLACED_NAME.format(s.name),
-                  s.plan.replace(placement=placed, host_update=host_update), cost_model)
+                 s.plan.replace(placement=placed, host_update=host_update), cost_model)
 
 
 def _warm_start(c: Coarsening, heur: list[Scored], budget_bytes: int, deadline: float,

@@ -603,26 +603,20 @@ def test_the_solvers_plan_handed_over_as_an_alternative_keeps_its_status_and_bou
     assert theirs.lower_bound is None and theirs.gap is None
 
 
-def test_the_searches_run_when_the_fixed_plans_spent_the_heuristics_share(monkeypatch):
-    """On a machine slow enough that the fixed plans take the heuristics' whole half of
-    the limit, the fixed plans past their share are skipped (and named), and the searches
-    still run, with a window of a quarter of the limit from where they start, each
-    given what is left of it."""
+def _slow_fixed_plans(monkeypatch, g, budget, options):
+    """``plan_cpsat`` on a fake clock that stands still but for the fixed plans (0.2 s
+    each), and the time limit each heuristic was given, in the order they ran."""
     import types
 
     import jaxmem.planners._cpsat_heuristics as heuristics_module
     import jaxmem.planners.cpsat as cpsat_module
 
-    loss, ws, x = tiny_mlp(4)
-    g = build_graph(jax.grad(loss), ws, x)
-    budget = unplanned_peak(g) * 8 // 10
-    clock = [0.0]  # stands still but for the fixed plans, which take 0.2 s each
+    clock = [0.0]
     fake = types.SimpleNamespace(perf_counter=lambda: clock[0])
     given = {}
 
     def slow(name):
-        entry = get(name)
-        fn = entry.fn.__wrapped__
+        fn = get(name).fn.__wrapped__
 
         def timed(graph, budget_bytes, cost_model, options):
             given[name] = options.get("time_limit_s")
@@ -636,21 +630,76 @@ def test_the_searches_run_when_the_fixed_plans_spent_the_heuristics_share(monkey
         for module in (cpsat_module, heuristics_module):
             m.setattr(module, "time", fake)
         m.setattr(heuristics_module, "get", slow)
-        plan = plan_cpsat(g, budget, H100, {"time_limit_s": 1.0, "allow_offload": False})
+        plan = plan_cpsat(g, budget, H100, {"time_limit_s": 1.0, "allow_offload": False,
+                                            **options})
+    return plan, given
+
+
+def test_the_heuristics_share_the_time_limit_and_those_not_reached_are_named(monkeypatch):
+    """The heuristics run in turn within half of the limit, each search given what is left
+    of it; those not reached are skipped and named: three fixed plans of 0.2 s fit in
+    half of 1 s."""
+    loss, ws, x = tiny_mlp(4)
+    g = build_graph(jax.grad(loss), ws, x)
+    budget = unplanned_peak(g) * 8 // 10
+    plan, given = _slow_fixed_plans(monkeypatch, g, budget, {})
+    assert list(given) == ["chen", "keep_matmuls", "keep_matmuls_no_batch"]
     [skipped] = [n for n in plan.notes if n.startswith("heuristics skipped")]
-    assert "'keep_matmuls_no_batch', 'blocks'," in skipped and "may not repeat" in skipped
-    assert "'greedy'" not in skipped and "'sublinear'" not in skipped
-    # fixed plans until 0.25 s: two of them run; the searches' window: 0.4 + 0.25 s, all
-    # of it to each (the clock stands still in them, so each leaves it to the next)
+    assert "'blocks', 'blocks:dots'," in skipped and "'sublinear'" in skipped
+    assert "may not repeat exactly" in skipped
+    own = ("cpsat", "program order")
+    assert [c.name for c in plan.candidates if c.name not in own] == list(given)
+    roomy = plan_cpsat(g, budget, H100, FAST)
+    assert not any(n.startswith("heuristics skipped") for n in roomy.notes)
+    assert len([c for c in roomy.candidates if c.name not in own]) == 9
+
+
+def test_with_a_search_share_the_searches_run_when_the_fixed_plans_spent_theirs(monkeypatch):
+    """``search_share=0.25``: the fixed plans stop at a quarter of the limit (two of 0.2 s
+    run) and the searches get a window of a quarter from where they start (0.4 s), each
+    given what is left of it."""
+    loss, ws, x = tiny_mlp(4)
+    g = build_graph(jax.grad(loss), ws, x)
+    plan, given = _slow_fixed_plans(monkeypatch, g, unplanned_peak(g) * 8 // 10,
+                                    {"search_share": 0.25})
     assert list(given) == ["chen", "keep_matmuls", "keep_matmuls_fit", "greedy", "sublinear"]
     assert [given[n] for n in ("keep_matmuls_fit", "greedy", "sublinear")] == pytest.approx(
         [0.25] * 3)
-    ran = {c.name for c in plan.candidates}
-    assert {"chen", "keep_matmuls", "keep_matmuls_fit", "greedy", "sublinear"} <= ran
-    roomy = plan_cpsat(g, budget, H100, FAST)
-    assert not any(n.startswith("heuristics skipped") for n in roomy.notes)
-    own = ("cpsat", "program order")
-    assert len([c for c in roomy.candidates if c.name not in own]) == 9
+    [skipped] = [n for n in plan.notes if n.startswith("heuristics skipped")]
+    assert "'keep_matmuls_no_batch', 'blocks'," in skipped and "'greedy'" not in skipped
+    with pytest.raises(ValueError, match="search_share=0.6 must be in"):
+        plan_cpsat(g, 1 << 30, H100, {"search_share": 0.6})
+
+
+def test_searches_get_what_is_left_of_the_heuristics_share(monkeypatch):
+    """Each search is given what is left of the heuristics' half: on a clock that stands
+    still, all of it after fixed plans that take no time."""
+    import types
+
+    import jaxmem.planners._cpsat_heuristics as heuristics_module
+    import jaxmem.planners.cpsat as cpsat_module
+
+    loss, ws, x = tiny_mlp(3)
+    g = build_graph(jax.grad(loss), ws, x)
+    given = {}
+
+    def recorded(name):
+        fn = get(name).fn.__wrapped__
+
+        def call(graph, budget_bytes, cost_model, options):
+            given[name] = options.get("time_limit_s")
+            return fn(graph, budget_bytes, cost_model, options)
+
+        return types.SimpleNamespace(fn=call)
+
+    with monkeypatch.context() as m:
+        for module in (cpsat_module, heuristics_module):
+            m.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: 5.0))
+        m.setattr(heuristics_module, "get", recorded)
+        plan_cpsat(g, unplanned_peak(g) * 8 // 10, H100, {"time_limit_s": 3.0,
+                                                          "allow_offload": False})
+    assert [given[n] for n in ("keep_matmuls_fit", "greedy", "sublinear")] == [1.5] * 3
+    assert given["chen"] is None
 
 
 def test_the_solves_deterministic_budgets_do_not_depend_on_the_clock(monkeypatch):
