@@ -39,6 +39,10 @@ logger = logging.getLogger("jaxmem.planners.cpsat")
 HEURISTIC_SHARE = 0.5
 # Heuristic planners whose plan does not depend on the budget (it only sets the status).
 FIXED_PLANS = frozenset({"chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks"})
+# Heuristic planners whose plans carry the simulator's peak and the shared estimate as
+# returned (they end in ``_shared.finish``); another registered planner's plan may carry
+# something else (``qlearn``'s measured step time), so it is scored anew.
+SCORED_AS_RETURNED = FIXED_PLANS | {"keep_matmuls_fit", "greedy", "sublinear"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +65,11 @@ def score(graph: Any, name: str, plan: plan_lib.Plan, cost_model: Any) -> Scored
 def rescored(graph: Any, name: str, plan: plan_lib.Plan, cost_model: Any,
              as_returned: bool) -> Scored:
     """:func:`score`, taking the peak and time the planner gave ``plan`` when it is the
-    plan as returned (``as_returned``) with no state placed: a planner's plan carries the
-    simulator's peak and the shared estimate already (``_shared.finish``), and scoring it
-    again was a second simulation per heuristic (a second or two on a 7,000-op step)."""
-    if not as_returned or plan.placement or plan.predicted_time_s is None:
+    plan as returned (``as_returned``) by one of ``SCORED_AS_RETURNED``, with no state
+    placed: it carries the simulator's peak and the shared estimate already, and scoring
+    it again was a second simulation per heuristic (a second or two on a 7,000-op step)."""
+    if (not as_returned or name.partition(":")[0] not in SCORED_AS_RETURNED
+            or plan.placement or plan.predicted_time_s is None):
         return score(graph, name, plan, cost_model)
     return Scored(name, plan, plan.predicted_peak_bytes, plan.predicted_time_s)
 
@@ -105,7 +110,9 @@ def heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: Any,
     skipped = []
     for name in opts.heuristics:
         now = time.perf_counter()
-        if name.partition(":")[0] in FIXED_PLANS:
+        base = name.partition(":")[0]
+        fixed = base in FIXED_PLANS
+        if fixed:
             left = deadline - own - now
         else:
             if search_end is None:
@@ -118,14 +125,14 @@ def heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: Any,
         if sub is None:
             continue
         key = ("cpsat", name, tuple(sorted(sub.items())))
-        memo = opts.memo if name.partition(":")[0] in FIXED_PLANS else None
+        memo = opts.memo if fixed else None
         if memo is not None and key in memo:
             out.append(memo[key])
             notes.append(f"heuristic {name!r}: the plan of an earlier round, "
                          f"{out[-1].peak_bytes:,} B, {out[-1].time_s:.4g} s estimated")
             continue
         try:
-            entry = get(name.partition(":")[0])
+            entry = get(base)
         except ValueError:
             notes.append(f"heuristic {name!r} is not registered; skipped")
             logger.info("cpsat: heuristic planner %r is not registered; skipped", name)

@@ -284,7 +284,7 @@ def plan_cpsat(graph: Any, budget_bytes: int, cost_model: Any,
     opts = check_options(NAME, options, CpsatOptions)
     notes: list[str] = []
     plain = score(graph, "program order",
-                   plan_lib.unplanned(graph, planner=NAME, budget_bytes=budget_bytes), cost_model)
+                  plan_lib.unplanned(graph, planner=NAME, budget_bytes=budget_bytes), cost_model)
     if plain.peak_bytes <= budget_bytes:
         # Every plan runs each op at least once, so nothing is faster than the step as
         # written; no solve (it took seconds even on a tiny step).

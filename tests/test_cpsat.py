@@ -603,9 +603,10 @@ def test_the_solvers_plan_handed_over_as_an_alternative_keeps_its_status_and_bou
     assert theirs.lower_bound is None and theirs.gap is None
 
 
-def _slow_fixed_plans(monkeypatch, g, budget, options):
-    """``plan_cpsat`` on a fake clock that stands still but for the fixed plans (0.2 s
-    each), and the time limit each heuristic was given, in the order they ran."""
+def _slow_fixed_plans(monkeypatch, g, budget, options, fixed_s=0.2, limit_s=1.0):
+    """``plan_cpsat`` on a fake clock that stands still but for the fixed plans
+    (``fixed_s`` each), and the time limit each heuristic was given, in the order they
+    ran."""
     import types
 
     import jaxmem.planners._cpsat_heuristics as heuristics_module
@@ -621,7 +622,7 @@ def _slow_fixed_plans(monkeypatch, g, budget, options):
         def timed(graph, budget_bytes, cost_model, options):
             given[name] = options.get("time_limit_s")
             if name in heuristics_module.FIXED_PLANS:
-                clock[0] += 0.2
+                clock[0] += fixed_s
             return fn(graph, budget_bytes, cost_model, options)
 
         return types.SimpleNamespace(fn=timed)
@@ -630,7 +631,7 @@ def _slow_fixed_plans(monkeypatch, g, budget, options):
         for module in (cpsat_module, heuristics_module):
             m.setattr(module, "time", fake)
         m.setattr(heuristics_module, "get", slow)
-        plan = plan_cpsat(g, budget, H100, {"time_limit_s": 1.0, "allow_offload": False,
+        plan = plan_cpsat(g, budget, H100, {"time_limit_s": limit_s, "allow_offload": False,
                                             **options})
     return plan, given
 
@@ -674,30 +675,10 @@ def test_with_a_search_share_the_searches_run_when_the_fixed_plans_spent_theirs(
 def test_searches_get_what_is_left_of_the_heuristics_share(monkeypatch):
     """Each search is given what is left of the heuristics' half: on a clock that stands
     still, all of it after fixed plans that take no time."""
-    import types
-
-    import jaxmem.planners._cpsat_heuristics as heuristics_module
-    import jaxmem.planners.cpsat as cpsat_module
-
     loss, ws, x = tiny_mlp(3)
     g = build_graph(jax.grad(loss), ws, x)
-    given = {}
-
-    def recorded(name):
-        fn = get(name).fn.__wrapped__
-
-        def call(graph, budget_bytes, cost_model, options):
-            given[name] = options.get("time_limit_s")
-            return fn(graph, budget_bytes, cost_model, options)
-
-        return types.SimpleNamespace(fn=call)
-
-    with monkeypatch.context() as m:
-        for module in (cpsat_module, heuristics_module):
-            m.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: 5.0))
-        m.setattr(heuristics_module, "get", recorded)
-        plan_cpsat(g, unplanned_peak(g) * 8 // 10, H100, {"time_limit_s": 3.0,
-                                                          "allow_offload": False})
+    _, given = _slow_fixed_plans(monkeypatch, g, unplanned_peak(g) * 8 // 10, {},
+                                 fixed_s=0.0, limit_s=3.0)
     assert [given[n] for n in ("keep_matmuls_fit", "greedy", "sublinear")] == [1.5] * 3
     assert given["chen"] is None
 
@@ -789,3 +770,6 @@ def test_a_heuristics_own_scores_are_the_simulators_and_the_estimate(step, budge
         assert (mine.peak_bytes, mine.time_s) == (anew.peak_bytes, anew.time_s), name
         reused += plan is raw and not plan.placement
     assert reused >= len(opts.heuristics) - 1
+    # a planner not on the list may carry another time (qlearn's measured one): scored anew
+    other = plan.replace(predicted_time_s=123.0)
+    assert heuristics_module.rescored(g, "qlearn", other, H100, True).time_s == anew.time_s
