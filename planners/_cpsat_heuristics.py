@@ -58,8 +58,9 @@ class Scored:
 def score(graph: Any, name: str, plan: plan_lib.Plan, cost_model: Any) -> Scored:
     """``plan`` with its simulated peak and estimated time, its state placement included
     (greedy's ``allow_state_offload`` plans place some; the others place none)."""
-    return Scored(name, plan, plan_lib.simulate_plan(graph, plan).peak_bytes,
-                  estimate_time_s(graph, plan, cost_model))
+    sched = plan_lib.build_schedule(graph, plan)
+    return Scored(name, plan, plan_lib.simulate_plan(graph, plan, sched).peak_bytes,
+                  estimate_time_s(graph, plan, cost_model, sched))
 
 
 def rescored(graph: Any, name: str, plan: plan_lib.Plan, cost_model: Any,

@@ -12,7 +12,8 @@ from jaxmem.cost.costmodel import CostModel
 from jaxmem.plans import placement as placement_lib, plan as plan_lib
 
 
-def estimate_time_s(graph: MemGraph, plan: plan_lib.Plan, cost_model: CostModel) -> float:
+def estimate_time_s(graph: MemGraph, plan: plan_lib.Plan, cost_model: CostModel,
+                    schedule: plan_lib.Schedule | None = None) -> float:
     """Estimated step time of ``plan``: its events on one compute stream and two copy streams.
 
     Ops and re-issues run one after another at roofline speed. A fused re-issue moves
@@ -23,14 +24,16 @@ def estimate_time_s(graph: MemGraph, plan: plan_lib.Plan, cost_model: CostModel)
     plan puts it (after its host copy is done); each direction of the link
     copies one tensor at a time; an op waits for the prefetched values it reads. State
     the plan places on pinned host adds its link and host-update time
-    (:func:`jaxmem.plans.placement.update_time_s`).
+    (:func:`jaxmem.plans.placement.update_time_s`). ``schedule``:
+    ``build_schedule(graph, plan)`` where the caller has it already (the placement does
+    not change it).
     """
     placed = [t for t, where in plan.placement.items() if where == "pinned_host"]
     if placed:
         bare = plan.replace(placement={}, host_update=())
-        return (estimate_time_s(graph, bare, cost_model)
+        return (estimate_time_s(graph, bare, cost_model, schedule)
                 + placement_lib.update_time_s(graph, cost_model, placed, plan.host_update))
-    sched = plan_lib.build_schedule(graph, plan)
+    sched = plan_lib.build_schedule(graph, plan) if schedule is None else schedule
     clock = 0.0
     link = {"d2h": 0.0, "h2d": 0.0}
     ready: dict[int, float] = {}

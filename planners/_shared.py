@@ -240,7 +240,8 @@ def finish(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *, planner
                          placement={}, planner=planner, budget_bytes=int(budget_bytes),
                          predicted_peak_bytes=0, predicted_time_s=None,
                          fallback_reason=fallback_reason)
-    sim = plan_lib.simulate_plan(graph, plan)
+    sched = plan_lib.build_schedule(graph, plan)
+    sim = plan_lib.simulate_plan(graph, plan, sched)
     notes = list(notes)
     notes.append(f"allocator estimate {sim.allocator_peak_bytes:,} B (best-fit, k="
                  f"{sim.allocator_k})")
@@ -256,7 +257,7 @@ def finish(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *, planner
     if lower_bound is not None and sim.peak_bytes > 0:
         gap = max(0.0, (sim.peak_bytes - lower_bound) / sim.peak_bytes)
     return plan.replace(predicted_peak_bytes=sim.peak_bytes,
-                        predicted_time_s=estimate_time_s(graph, plan, cost_model),
+                        predicted_time_s=estimate_time_s(graph, plan, cost_model, sched),
                         status=status, solve_time_s=time.perf_counter() - started,
                         lower_bound=lower_bound, gap=gap, notes=tuple(notes))
 

@@ -42,7 +42,13 @@ from typing import Any, Sequence
 import jax
 
 from jaxmem.analysis import simulate
-from jaxmem.plans.schedule import Decisions, build_schedule, simulate_schedule, steps_for_plan
+from jaxmem.plans.schedule import (
+    Decisions,
+    Schedule,
+    build_schedule,
+    simulate_schedule,
+    steps_for_plan,
+)
 from jaxmem.plans.view import view
 from jaxmem.tracing.trace import value_bytes
 
@@ -251,20 +257,22 @@ def host_bytes(graph: Any, placed: Sequence[int]) -> int:
     return 2 * sum(graph.tensors[t].bytes for t in placed)
 
 
-def simulate_placed(graph: Any, plan: Decisions) -> simulate.SimResult:
+def simulate_placed(graph: Any, plan: Decisions, schedule: Schedule | None = None
+                    ) -> simulate.SimResult:
     """The device peak of ``plan`` with its placement, as compiled for a compile-only target
     (what :func:`jaxmem.plans.plan.simulate_plan` gives for a plan that places state).
 
     With a host
     update, the host group's results are no device buffers (but those sent
     back to the device), and a placed input only it reads is not prefetched.
+    ``schedule``: ``build_schedule(graph, plan)`` where the caller has it already.
     """
     placed = sorted(t for t, where in plan.placement.items() if where == "pinned_host")
-    sched = build_schedule(graph, plan)
+    sched = build_schedule(graph, plan) if schedule is None else schedule
     if not placed:
         return simulate_schedule(graph, sched)
     sizes = dict(sched.sizes())
-    steps = list(steps_for_plan(graph, plan))
+    steps = list(steps_for_plan(graph, plan, sched))
     next_id = max([graph.tensors[-1].id, *sched.tensor_of, *sizes]) + 1
     extra: dict[int, tuple[list[int], list[int]]] = {}  # step index -> (alloc, free)
 

@@ -550,12 +550,15 @@ def unplanned(graph: Any, planner: str = "none", budget_bytes: int = 0,
                 predicted_peak_bytes=predicted_peak_bytes, predicted_time_s=None, **fields)
 
 
-def simulate_plan(graph: Any, plan: Plan) -> SimResult:
+def simulate_plan(graph: Any, plan: Plan, schedule: Schedule | None = None) -> SimResult:
     """Simulate ``plan`` on ``graph``: the device peak it should compile to.
 
     A plan that places state on pinned host is simulated with its placement
-    (:func:`jaxmem.plans.placement.simulate_placed`).
+    (:func:`jaxmem.plans.placement.simulate_placed`). ``schedule``:
+    ``build_schedule(graph, plan)`` where the caller has it already (a planner that
+    also estimates the plan's time builds it once for both).
     """
+    sched = build_schedule(graph, plan) if schedule is None else schedule
     if any(where == "pinned_host" for where in plan.placement.values()):
-        return placement_lib.simulate_placed(graph, plan)
-    return simulate_schedule(graph, build_schedule(graph, plan))
+        return placement_lib.simulate_placed(graph, plan, sched)
+    return simulate_schedule(graph, sched)

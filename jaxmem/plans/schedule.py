@@ -429,16 +429,18 @@ def build_schedule(graph_or_view: Any, plan: Decisions) -> Schedule:
         return new
 
     made_at_point: set[int] = set()
+    # ``wanted`` reads ``cur`` of materialized tensors only, so its answers hold until
+    # a prefetch or a re-issue makes a new copy of one.
+    memo: dict[int, frozenset[int]] = {}
     for c in plan.order:
-        memo: dict[int, frozenset[int]] = {}
         made_at_point.clear()
         first_here = len(events)
         for t in sorted(prefetch_at.get(c, ())):
             new = fresh(t)
             events.append(Event("prefetch", None, c, (t,), (), (new,)))
             cur[t] = new
+            memo.clear()
         for p, ts in sorted(remat_at.get(c, {}).items()):
-            memo = {}
             reads = tuple(None if u is None else resolve(u, c, memo, late=True)
                           for u in v.in_slots[p])
             news = {t: fresh(t) for t in ts}
@@ -446,7 +448,8 @@ def build_schedule(graph_or_view: Any, plan: Decisions) -> Schedule:
                          tuple(news.get(o) if o is not None else None for o in v.out_slots[p])))
             for t, new in news.items():
                 cur[t] = new
-            memo = {}
+            if any(real[t] for t in ts):
+                memo.clear()
         for ev in events[first_here:]:
             if ev.kind in ("remat", "fused"):
                 for r in ev.reads:
@@ -464,14 +467,16 @@ def build_schedule(graph_or_view: Any, plan: Decisions) -> Schedule:
                     remat_keys=frozenset(plan.remat))
 
 
-def steps_for_plan(graph: Any, plan: Decisions) -> list[simulate.Step]:
+def steps_for_plan(graph: Any, plan: Decisions, schedule: Schedule | None = None
+                   ) -> list[simulate.Step]:
     """The plan's schedule as simulator steps; copies get ids past ``len(graph.tensors)``.
 
     Arguments and outputs are accounted as XLA does (``simulate.xla_accounting``).
     Pass ``build_schedule(graph, plan).sizes()`` as ``sizes`` to
-    ``simulate.simulate_steps`` (or call :func:`simulate_schedule`).
+    ``simulate.simulate_steps`` (or call :func:`simulate_schedule`). ``schedule``:
+    ``build_schedule(graph, plan)`` where the caller has it already.
     """
-    return _accounted(graph, build_schedule(graph, plan))
+    return _accounted(graph, build_schedule(graph, plan) if schedule is None else schedule)
 
 
 def simulate_schedule(graph: Any, sched: Schedule) -> simulate.SimResult:
