@@ -156,6 +156,12 @@ def heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: Any,
         notes.append(f"heuristic {name!r}: {time.perf_counter() - now:.2f} s"
                      f"{f' of {left:.3g}' if 'time_limit_s' in sub else ''}, "
                      f"{out[-1].peak_bytes:,} B, {out[-1].time_s:.4g} s estimated")
+        for alt in raw.alternatives:  # close plans its search found: candidates too
+            alt_name = alt.source or f"{name}:alternative"
+            kept = without_constant_decisions(graph, alt)
+            out.append(rescored(graph, alt_name, kept, cost_model, kept is alt))
+            notes.append(f"heuristic {alt_name!r}: {out[-1].peak_bytes:,} B, "
+                         f"{out[-1].time_s:.4g} s estimated")
     if skipped:
         notes.append(f"heuristics skipped, their {limit:.3g} s spent: "
                      f"{', '.join(map(repr, skipped))}; this plan may not repeat exactly")

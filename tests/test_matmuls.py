@@ -16,7 +16,7 @@ from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners import _principles
 from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners._shared import find_residuals
-from jaxmem.planners.matmuls import MATMUL_PRIMITIVES, compute_bound
+from jaxmem.planners.matmuls import MATMUL_PRIMITIVES, WHOLE_GROUP, compute_bound
 from jaxmem.plans import plan as plan_lib
 
 COST = CostModel.for_target("h100")
@@ -231,6 +231,34 @@ def test_fit_variant_stops_at_its_time_limit_with_a_plan_that_is_no_worse():
     searched = fit(g, budget, COST, {"time_limit_s": 60.0})
     assert not any(n.startswith("time limit reached") for n in searched.notes)
     assert searched.predicted_peak_bytes < stopped.predicted_peak_bytes
+
+
+def test_fit_variant_offers_the_whole_last_group_as_an_alternative_of_the_same_bits():
+    """Where the binary search recomputes only some of the group that made the plan fit,
+    the plan recomputing all of it is the plan's alternative: it fits, recomputes what the
+    plan recomputes and more, and its emitted step (under the rules every registered
+    planner's plans go through) keeps the plain step's bits."""
+    zs = zoo.build("gpt2", "tiny", step="train")
+    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
+                    target="cpu")
+    cost = CostModel.for_target("cpu")
+    keep = registry.get("keep_matmuls").fn.__wrapped__(g, 10**12, cost, {})
+    fit = registry.get("keep_matmuls_fit").fn
+    offered = []
+    for share in (0.95, 0.9, 0.8):
+        budget = int(share * keep.predicted_peak_bytes)
+        plan = fit.__wrapped__(g, budget, cost, {})
+        for alt in plan.alternatives:
+            assert alt.source == WHOLE_GROUP and alt.status == "ok"
+            assert alt.predicted_peak_bytes == plan_lib.simulate_plan(g, alt).peak_bytes <= budget
+            assert set(alt.remat) > set(plan.remat)
+            offered.append(budget)
+    assert offered  # (0.95 splits a group of this step)
+    [alt] = fit(g, offered[0], cost, {}).alternatives
+    inputs = zs.make_args(seed=0)
+    want = jax.tree_util.tree_leaves(jax.jit(zs.fn)(*inputs))
+    got = jax.tree_util.tree_leaves(jax.jit(emit_lib.emit(g, alt))(*inputs))
+    assert all(np.array_equal(a, b) for a, b in zip(want, got, strict=True))
 
 
 @pytest.mark.parametrize("model,name", [("mlp", "keep_matmuls"), ("gpt2", "keep_matmuls"),
