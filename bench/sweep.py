@@ -3,8 +3,9 @@
 For every model the unplanned step (``none``) is compiled first; its device
 bytes start the sweep. Each planner then runs :func:`jaxmem.pareto`: budgets
 ``none_bytes * factor**k`` (``--sweep-factor``) down to ``--sweep-min`` of
-``none_bytes``, stopping at the first budget the planner cannot fit, plus one
-point at the smallest budget the failure named. The peers (stock policies do
+``none_bytes``, stopping at the first budget the planner cannot fit, plus a
+point at the smallest budget the failure named (and the next it names, where
+the planner misses that one too). The peers (stock policies do
 not depend on the budget) are compiled once and give one record per budget
 any planner tried, so every budget of the sweep can be checked for "which
 steps fit, and which of them is fastest". Records carry two fields more than

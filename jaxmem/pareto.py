@@ -14,9 +14,11 @@ bytes (0.5: half of what the step needs as written). Without either the sweep
 starts at the unplanned step's compiled device bytes and lowers the budget
 geometrically (``factor``, default 0.8) until the planner cannot fit one, or
 the budget drops below ``min_fraction`` of the unplanned bytes; then it tries
-once more at the smallest budget the failure named (the best compiled footprint
+the smallest budget the failure named (the best compiled footprint
 :class:`~jaxmem.errors.InfeasibleBudgetError` reports), when that lies between
-the failed budget and the last fitted one.
+the failed budget and the last fitted one, and, where the planner misses that
+too (its plans depend on the budget), the next it names, up to
+``SMALLEST_TRIES`` budgets.
 
 Quality is monotone in the budget: every plan a sweep compiled is a candidate at
 each budget of the same planner that its compiled bytes fit, and each point keeps
@@ -62,6 +64,8 @@ OnError = Literal["raise", "record"]
 
 DEFAULT_FACTOR = 0.8
 DEFAULT_MIN_FRACTION = 0.05
+# Budgets a sweep tries after its first failure, each the minimum the failure before named.
+SMALLEST_TRIES = 3
 
 
 _BAD_FRACTION = (
@@ -195,7 +199,7 @@ def pareto(step: Callable[..., Any], *args: Any, budgets: Sequence[BudgetSpec] |
 
     Returns:
       The points, planner by planner; budgets in the order given (the sweep:
-      from high to low, the smallest-feasible point last).
+      from high to low, the smallest-feasible points last).
 
     Raises:
       ValueError: a bad budget, factor, floor or planner name (before any planning).
@@ -262,6 +266,16 @@ def _sweep_all(opt: Optimized, args: tuple[Any, ...], kwargs: dict[str, Any],
             mine = [sweep.point(config_p, b) for b in resolved]
         points.extend(check_monotone(keep_fastest(mine)))
     return points
+
+
+def _named_minimum(point: Point) -> int | None:
+    """The smallest budget a failed point names: an infeasible point's ``min_feasible_bytes``,
+    an over-budget point's compiled bytes; None for any other point."""
+    if point.status == PointStatus.INFEASIBLE:
+        return point.min_feasible_bytes
+    if point.status == PointStatus.OVER_BUDGET:
+        return point.compiled_bytes
+    return None
 
 
 def frontier(points: Sequence[Point]) -> list[Point]:
@@ -458,7 +472,12 @@ class _Sweep:
         return max(1, int(float(fraction) * self.unplanned_bytes))
 
     def geometric(self, config: Config, factor: float, min_fraction: float) -> list[Point]:
-        """The sweep for one planner: down the grid to the first failure, then its named minimum."""
+        """The sweep for one planner: down the grid to the first failure, then its named minimum.
+
+        The minimum a failure names is a plan's compiled footprint; planned again at that
+        budget the planner may not find that plan (its plans depend on the budget) and fail
+        naming a larger one, which is tried in turn (at most :data:`SMALLEST_TRIES` budgets).
+        """
         points: list[Point] = []
         for budget in sweep_budgets(self.unplanned_bytes, factor, min_fraction):
             point = self.point(config, budget)
@@ -466,12 +485,15 @@ class _Sweep:
             if point.status == PointStatus.FALLBACK:
                 break  # no planning happens: lower budgets give the same step
             if point.status != PointStatus.OK:
-                smallest = point.min_feasible_bytes if point.status == PointStatus.INFEASIBLE \
-                    else point.compiled_bytes if point.status == PointStatus.OVER_BUDGET else None
                 fitted = [p.budget_bytes for p in points if p.status == PointStatus.OK]
                 above = min(fitted) if fitted else float("inf")
-                if smallest is not None and budget < smallest < above:
-                    points.append(self.point(config, smallest, sweep="smallest_feasible"))
+                for _ in range(SMALLEST_TRIES):
+                    smallest = _named_minimum(point)
+                    if smallest is None or not budget < smallest < above:
+                        break
+                    budget = smallest
+                    point = self.point(config, smallest, sweep="smallest_feasible")
+                    points.append(point)
                 break
         return points
 

@@ -158,7 +158,9 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     that order while the plan's simulated peak is over the budget (a group
     that raises the peak, re-issued where the peak is, is left kept), and of
     the group that reaches the budget only the fewest that fit are recomputed
-    (a binary search). About one simulation per role, so a few dozen on a
+    (a binary search); the plan that recomputes all of that group is the plan's
+    alternative (``Plan.alternatives``, source :data:`WHOLE_GROUP`), which the verify
+    loop compiles beside it. About one simulation per role, so a few dozen on a
     deep model. ``"over_budget"`` when nothing more helps.
     Options: :class:`KeepMatmulsOptions`.
     """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxmem
-from jaxmem.pareto import Point, check_monotone, sweep_budgets
+from jaxmem.pareto import SMALLEST_TRIES, Point, _Sweep, check_monotone, sweep_budgets
 from jaxmem.planners import _registry
 
 S = jax.ShapeDtypeStruct
@@ -160,6 +161,44 @@ def _point(budget: int, compiled: int | None, time_s: float | None, status: str 
     return Point(planner=planner, budget_bytes=budget, status=status, compiled_bytes=compiled,
                  host_bytes=0, est_step_time_s=time_s, solve_time_s=0.0, elapsed_s=0.0,
                  rounds=1, plan=None)
+
+
+class _Scripted(_Sweep):
+    """A sweep whose points are scripted: budget -> (status, min_feasible_bytes)."""
+
+    def __init__(self, outcomes: dict[int, tuple[str, int | None]]) -> None:
+        super().__init__(None, (), jaxmem.targets.get("h100"), 100, "record")
+        self.outcomes, self.asked = outcomes, []
+
+    def point(self, config, budget_bytes, sweep="grid"):
+        self.asked.append((budget_bytes, sweep))
+        status, named = self.outcomes.get(budget_bytes, ("ok", None))
+        return dataclasses.replace(_point(budget_bytes, budget_bytes, 1.0, status),
+                                   min_feasible_bytes=named, sweep=sweep)
+
+
+def test_a_named_minimum_the_planner_misses_is_followed_to_the_next_it_names():
+    """Planned again at the budget a failure named, the planner can fail naming a larger one
+    (its plans depend on the budget): the sweep tries that too, below the last that fitted,
+    at most SMALLEST_TRIES budgets, and stops where the named budget does not grow."""
+    assert sweep_budgets(100, 0.8, 0.5)[:3] == [100, 80, 64]
+
+    def asked(outcomes):
+        sweep = _Scripted(outcomes)
+        sweep.geometric(H100, 0.8, 0.5)
+        return sweep.asked
+
+    grid = [(100, "grid"), (80, "grid"), (64, "grid")]
+    assert asked({80: ("ok", None), 64: ("infeasible", 70), 70: ("infeasible", 72),
+                  72: ("ok", None)}) == [*grid, (70, "smallest_feasible"),
+                                         (72, "smallest_feasible")]
+    chain = {80: ("ok", None), **{b: ("infeasible", b + 2) for b in range(64, 80, 2)}}
+    assert SMALLEST_TRIES == 3
+    assert asked(chain) == [*grid, *((b, "smallest_feasible") for b in (66, 68, 70))]
+    assert asked({80: ("ok", None), 64: ("infeasible", 70), 70: ("infeasible", 70)}) == [
+        *grid, (70, "smallest_feasible")]
+    assert asked({80: ("ok", None), 64: ("infeasible", 76), 76: ("infeasible", 81)}) == [
+        *grid, (76, "smallest_feasible")]  # 81 is above the budget that fitted
 
 
 def test_frontier_drops_dominated_points():
