@@ -346,7 +346,12 @@ def _with_plan_of(p: Point, q: Point) -> Point:
             f"({format_bytes(q.compiled_bytes)} compiled, {q.est_step_time_s * 1e3:.4g} ms "
             f"estimated): it fits this budget of {format_bytes(p.budget_bytes)}, {own}")
     logger.info("pareto: planner %s at %s: %s", p.planner, format_bytes(p.budget_bytes), note)
-    plan = q.plan.replace(status="ok", budget_bytes=p.budget_bytes, notes=(*q.plan.notes, note))
+    # The bounds hold at the budget each was computed for: at this budget more plans fit, so
+    # only this point's own time bound holds (none where it planned nothing), and the
+    # solver's bound on its own model is the other budget's.
+    plan = q.plan.replace(status="ok", budget_bytes=p.budget_bytes, notes=(*q.plan.notes, note),
+                          time_bound_s=None if p.plan is None else p.plan.time_bound_s,
+                          lower_bound=None, gap=None)
     return dataclasses.replace(p, status=PointStatus.OK, compiled_bytes=q.compiled_bytes,
                                host_bytes=q.host_bytes, est_step_time_s=q.est_step_time_s,
                                plan=plan, report=q.report, step=q.step,

@@ -4,6 +4,8 @@ budget loosens and compiled bytes never rise as it tightens."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from steps import mlp_args, mlp_loss
 
@@ -73,6 +75,21 @@ def test_a_looser_budgets_plan_that_fits_a_tighter_one_is_kept_there():
     assert kept[2].min_feasible_bytes is None and kept[2].solve_time_s == 1.0
     assert "no plan of its own fitted" in kept[2].plan.notes[-1]
     assert "as fast as its own plan" in kept[1].plan.notes[-1]
+
+
+def test_a_plan_kept_at_a_looser_budget_carries_that_budgets_bounds():
+    """A time bound holds at its own budget: at a looser one more plans fit, so the point
+    keeps its own bound (none where it had no plan), not the tighter budget's."""
+    def bounded(p, bound_s):
+        return dataclasses.replace(p, plan=p.plan.replace(time_bound_s=bound_s, lower_bound=0.5,
+                                                          gap=0.1, bound_unit="s"))
+
+    points = [bounded(_point(100, "ok", 90, 2.0), 0.8), bounded(_point(80, "ok", 70, 1.0), 0.9),
+              _point(75, "infeasible", 76)]
+    kept = keep_fastest(points)
+    assert [p.planned_at_bytes for p in kept] == [80, 80, 80]
+    assert [p.plan.time_bound_s for p in kept] == [0.8, 0.9, None]
+    assert [p.plan.lower_bound for p in kept] == [None, 0.5, None]
 
 
 def test_a_point_keeps_its_own_plan_when_no_other_fits_it_faster():
