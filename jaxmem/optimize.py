@@ -68,10 +68,8 @@ from jaxmem.verify import cache as cache_lib
 from jaxmem.verify.loop import (
     Round,
     Verified,
-    cached_plan,
     compile_plan,
     effective_config,
-    plan_key,
     recheck_cached,
     verify,
 )
@@ -348,7 +346,8 @@ class Optimized:
         target = config.resolve_target(dyn)
         graph = self._graph(dyn, rebuild, target)
         disk = self._disk_cache(config)
-        plan = cached_plan(disk, plan_key(graph, config, target), graph) if disk else None
+        plan = (cache_lib.cached_plan(disk, cache_lib.plan_key(graph, config, target), graph)
+                if disk else None)
         if plan is None:
             cost_model, cost_notes = self._planning_costs((key, True), graph, target,
                                                           config, dyn)
@@ -565,8 +564,8 @@ class Optimized:
             return _Entry(target=target, plan=None, run=jitted, jitted=jitted, fallback=str(err))
         abstract = abstract_args(dyn, target)
         disk = self._disk_cache(config)
-        key = plan_key(graph, config, target) if disk is not None else ""
-        cached = cached_plan(disk, key, graph) if disk is not None else None
+        key = cache_lib.plan_key(graph, config, target) if disk is not None else ""
+        cached = cache_lib.cached_plan(disk, key, graph) if disk is not None else None
         if cached is not None:
             # Verified when it was stored: compile it once, run no planner, and check it again.
             jitted, compiled, dev, host = compile_plan(graph, cached, target, abstract, donated,

@@ -16,9 +16,9 @@ geometrically (``factor``, default 0.8) until the planner cannot fit one, or
 the budget drops below ``min_fraction`` of the unplanned bytes; then it tries
 the smallest budget the failure named (the best compiled footprint
 :class:`~jaxmem.errors.InfeasibleBudgetError` reports), when that lies between
-the failed budget and the last fitted one, and, where the planner misses that
-too (its plans depend on the budget), the next it names, up to
-``SMALLEST_TRIES`` budgets.
+the failed budget and the last fitted one (the verify loop recalls the plan
+that compiled to it: :mod:`jaxmem.verify.recall`), and, where that point misses
+too, the next it names, up to ``SMALLEST_TRIES`` budgets.
 
 Quality is monotone in the budget: every plan a sweep compiled is a candidate at
 each budget of the same planner that its compiled bytes fit, and each point keeps
@@ -479,10 +479,11 @@ class _Sweep:
     def geometric(self, config: Config, factor: float, min_fraction: float) -> list[Point]:
         """The sweep for one planner: down the grid to the first failure, then its named minimum.
 
-        The minimum a failure names is a plan's compiled footprint; planned again at that
-        budget the planner may not find that plan (its plans depend on the budget) and fail
-        naming a larger one, which is tried in turn (at most :data:`SMALLEST_TRIES` budgets).
-        """
+        The minimum a failure names is a plan's compiled footprint, which the verify loop
+        at that budget recalls (:mod:`jaxmem.verify.recall`); where that point fails anyway
+        (the plan was forgotten: more steps were planned in between than the recall keeps),
+        the larger budget it names
+        is tried in turn (at most :data:`SMALLEST_TRIES` budgets)."""
         points: list[Point] = []
         for budget in sweep_budgets(self.unplanned_bytes, factor, min_fraction):
             point = self.point(config, budget)

@@ -1,4 +1,5 @@
-"""Test configuration: run on the CPU even where the CUDA plugin is installed, keep the long
+"""Test configuration: run on the CPU even where the CUDA plugin is installed, start each test
+with no plans remembered from the ones before it, keep the long
 cases of the default run's matrices for ``-m slow``, and mark the tests known to fail on
 current JAX (0.12) for a cause outside the test's control.
 
@@ -179,3 +180,12 @@ def pytest_collection_modifyitems(config, items):
                 # cause shows, depends on the machine's load.
                 item.add_marker(pytest.mark.xfail(strict=False, reason=f"jax 0.12: {reason}"))
                 break
+
+
+@pytest.fixture(autouse=True)
+def _no_remembered_plans():
+    """Each test starts as a new process would: no plans of earlier tests' calls to recall
+    (``jaxmem.verify.recall``), whatever order the tests run in."""
+    from jaxmem.verify import recall
+
+    recall.forget()

@@ -24,7 +24,8 @@ from typing import Any
 
 import jax
 
-from jaxmem.config import DEFAULT_PLAN_CACHE
+from jaxmem.config import DEFAULT_PLAN_CACHE, Config
+from jaxmem.plans import plan as plan_lib
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,40 @@ def fingerprint(program_text: str, *parts: Any) -> str:
         h.update(piece.encode())
         h.update(b"\0")
     return h.hexdigest()
+
+
+def program_text(graph: Any) -> str:
+    """A canonical text of a traced step: its jaxpr with the input avals, shardings, donation
+    and roles (two steps of one text plan alike)."""
+    program = graph.program
+    avals = ", ".join(str(v.aval) for v in program.jaxpr.jaxpr.invars)
+    return (f"{program.jaxpr}\navals: {avals}\nshardings: {program.in_shardings}\n"
+            f"donated: {program.donated}\nroles: {program.in_roles}")
+
+
+def plan_key(graph: Any, config: Config, target: Any) -> str:
+    """The plan-cache fingerprint of a traced step under a config on a target."""
+    options = sorted(config.planner_options().items())
+    # on_over_budget is left out: it changes what happens to a plan over the budget, not the
+    # plan (a loaded plan is checked against it again).
+    return fingerprint(program_text(graph), config.planner, config.budget_bytes(target), options,
+                       config.verify_rounds, target.name,
+                       *(() if config.op_times == "roofline" else (config.op_times,)))
+
+
+def cached_plan(disk: "PlanCache", key: str, graph: Any) -> plan_lib.Plan | None:
+    """The plan stored under ``key`` when it fits ``graph``; ``None`` (with a warning) if not."""
+    plan = disk.load(key)
+    if plan is None:
+        return None
+    try:
+        plan_lib.check_plan(plan_lib.view(graph), plan)
+    # A plan from disk can name anything: ops or tensors the step does not have.
+    except (ValueError, IndexError, KeyError, TypeError) as err:
+        disk.hits -= 1
+        disk.reject(disk.path(key), f"it does not fit the traced step: {err}")
+        return None
+    return plan
 
 
 class PlanCache:
@@ -77,8 +112,6 @@ class PlanCache:
         reported once per file with a warning and the caller plans again (and
         overwrites it).
         """
-        from jaxmem.plans.plan import Plan
-
         path = self.path(key)
         try:
             data = path.read_bytes()
@@ -96,7 +129,7 @@ class PlanCache:
                 raise ValueError(f"stale entry (format {record.get('format')!r})")
             if "plan" not in record:
                 raise ValueError("no 'plan' field")
-            plan = Plan.from_json(json.dumps(record["plan"]))
+            plan = plan_lib.Plan.from_json(json.dumps(record["plan"]))
         # An entry is data from disk, and a bad one must not stop the step: any error reading
         # it (UnicodeDecodeError and JSONDecodeError are ValueErrors) rejects the entry.
         except (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError,

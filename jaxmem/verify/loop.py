@@ -23,7 +23,7 @@ from jaxmem.cost.profile import planning_cost_model
 from jaxmem.errors import InfeasibleBudgetError
 from jaxmem.plans import plan as plan_lib
 from jaxmem.units import format_bytes
-from jaxmem.verify import cache as cache_lib
+from jaxmem.verify import cache as cache_lib, recall as recall_lib
 from jaxmem.verify.timing import EXACT_SHARE, Attempt, PlanningTime
 
 logger = logging.getLogger(__name__)
@@ -330,6 +330,9 @@ def _settle(loop: _Loop, arg_labels: Sequence[int | str] | None
     ``InfeasibleBudgetError``."""
     graph, config, target, rounds, budget = (loop.graph, loop.config, loop.target, loop.rounds,
                                              loop.budget)
+    step = recall_lib.step_key(graph, config, target)
+    if all(r.compiled_bytes > budget for r in rounds):
+        _recall(loop, step)
     if all(r.compiled_bytes > budget for r in rounds) and loop.plain.decisions() not in loop.seen:
         # The simulator can over-predict the step as written (XLA fuses or rematerializes
         # on its own, e.g. under jax.checkpoint policies): compile it once before giving up.
@@ -337,6 +340,7 @@ def _settle(loop: _Loop, arg_labels: Sequence[int | str] | None
                                  "(no decisions) was compiled as a last resort")
         logger.info("last resort: the step as written compiled to %s device on %s (budget %s)",
                     format_bytes(dev), target.name, format_bytes(budget))
+    recall_lib.remember(step, rounds)
     best = min(range(len(rounds)), key=lambda i: rounds[i].compiled_bytes)
     ranking: tuple[str, ...] = ()
     fitting = sum(r.compiled_bytes <= budget for r in rounds)
@@ -435,6 +439,20 @@ def _relaxable(graph: Any, config: Config) -> bool:
     """Whether ``bitwise="auto"`` may plan this step relaxed when no bit-exact plan fits
     (a 16-bit step whose bit-exact plans leave fused values where they are)."""
     return config.exact and not config.must_be_exact(_sixteen_bit(graph))
+
+
+def _recall(loop: _Loop, step: str) -> None:
+    """Compile the plans earlier calls of this step compiled within the budget
+    (:mod:`jaxmem.verify.recall`) as rounds of this one: the budget an
+    ``InfeasibleBudgetError`` named is met in the same process though the planner, at that
+    budget, does not find the plan again. They carry this call's time bound."""
+    bound = next((r.plan.time_bound_s for r in loop.rounds if r.plan.time_bound_s is not None
+                  and r.planner_budget_bytes == loop.budget), None)
+    for plan in recall_lib.recall(step, loop.budget, loop.seen):
+        loop.seen.add(plan.decisions())
+        dev, _ = loop.compile_round(plan.replace(time_bound_s=bound), loop.budget)
+        logger.info("recalled a plan of an earlier call of this step: compiled %s device "
+                    "(budget %s)", format_bytes(dev), format_bytes(loop.budget))
 
 
 def _relaxed(loop: _Loop, cost_model: Any, cost_notes: Sequence[str],
@@ -560,8 +578,10 @@ def _rank_alternatives(first: int, rounds: list[Round], built: list[tuple[Any, A
 
     def label(i: int) -> str:
         plan = rounds[i].plan
-        alternative = any(plan is alt for r in rounds for alt in r.plan.alternatives)
-        return f"alternative: {plan.source}" if alternative else f"round {i + 1}"
+        if any(plan is alt for r in rounds for alt in r.plan.alternatives):
+            return f"alternative: {plan.source}"
+        recalled = any(note.startswith("recalled:") for note in plan.notes)
+        return f"round {i + 1} (recalled)" if recalled else f"round {i + 1}"
 
     lines = [f"{label(i)}: {format_bytes(rounds[i].compiled_bytes)}, {times[i] * 1e3:.4g} ms"
              for i in fitting]
@@ -580,35 +600,6 @@ def effective_config(config: Config, level: int | None) -> Config:
     allowed = level_lib.allowances(level)
     overrides: dict[str, Any] = {k: v for k, v in allowed.items() if k != "enabled"}
     return dataclasses.replace(config, **overrides)
-
-
-def plan_key(graph: Any, config: Config, target: targets_lib.Target) -> str:
-    """The plan-cache fingerprint of a traced step under a config on a target."""
-    program = graph.program
-    avals = ", ".join(str(v.aval) for v in program.jaxpr.jaxpr.invars)
-    program_text = (f"{program.jaxpr}\navals: {avals}\nshardings: {program.in_shardings}\n"
-                    f"donated: {program.donated}\nroles: {program.in_roles}")
-    options = sorted(config.planner_options().items())
-    # on_over_budget is left out: it changes what happens to a plan over the budget, not the
-    # plan (a loaded plan is checked against it again).
-    return cache_lib.fingerprint(program_text, config.planner, config.budget_bytes(target), options,
-                                 config.verify_rounds, target.name,
-                                 *(() if config.op_times == "roofline" else (config.op_times,)))
-
-
-def cached_plan(disk: cache_lib.PlanCache, key: str, graph: Any) -> plan_lib.Plan | None:
-    """The plan stored under ``key`` when it fits ``graph``; ``None`` (with a warning) if not."""
-    plan = disk.load(key)
-    if plan is None:
-        return None
-    try:
-        plan_lib.check_plan(plan_lib.view(graph), plan)
-    # A plan from disk can name anything: ops or tensors the step does not have.
-    except (ValueError, IndexError, KeyError, TypeError) as err:
-        disk.hits -= 1
-        disk.reject(disk.path(key), f"it does not fit the traced step: {err}")
-        return None
-    return plan
 
 
 def recheck_cached(disk: cache_lib.PlanCache, key: str, plan: plan_lib.Plan, dev: int,
