@@ -60,7 +60,9 @@ How it runs, within ``time_limit_s``:
 4. **Check.** The solution becomes a :class:`~jaxmem.plans.plan.Plan`; the simulator
    (:func:`jaxmem.plans.plan.simulate_plan`) sets ``predicted_peak_bytes`` and the
    shared estimate (:func:`jaxmem.planners._shared.estimate_time_s`) sets
-   ``predicted_time_s``. The heuristic plans are scored the same way; the fastest plan
+   ``predicted_time_s``, once the rules every planner's plan goes through
+   (:func:`~jaxmem.planners._principles.made_exact`) have made it what will be emitted.
+   The heuristic plans are scored the same way; the fastest plan
    that fits is returned (the solver's unless a heuristic beats it: then status
    ``FALLBACK``, with ``Plan.fallback_reason``). Nothing fits: ``OVER_BUDGET``.
    ``Plan.source`` names the candidate kept, ``Plan.candidates`` every candidate
@@ -110,7 +112,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from jaxmem.planners import _block_solve, _cpsat_model
-from jaxmem.planners._cpsat_heuristics import Scored, heuristics as _heuristics, score
+from jaxmem.planners._cpsat_heuristics import Scored, as_emitted, heuristics as _heuristics, score
 from jaxmem.planners._cpsat_hint import repair
 from jaxmem.planners._cpsat_problem import Evaluation, Schedule, evaluate
 from jaxmem.planners._options import PlannerOptions, check_options
@@ -347,8 +349,10 @@ def _solve_blocks(graph: Any, budget_bytes: int, cost_model: Any, opts: CpsatOpt
         graph, budget_bytes, cost_model, notes, opts, deadline)
     if not solved or (p := solved.plan) is None:
         return None
-    return Scored(_block_solve.NAME, p, p.predicted_peak_bytes, p.predicted_time_s or 0.0), \
-        solved.status
+    exact = as_emitted(graph, p, cost_model, opts.bitwise)
+    scored = (Scored(_block_solve.NAME, p, p.predicted_peak_bytes, p.predicted_time_s or 0.0)
+              if exact is p else score(graph, _block_solve.NAME, exact, cost_model))
+    return scored, solved.status
 
 
 def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
@@ -369,7 +373,7 @@ def _choose(graph: Any, budget_bytes: int, cost_model: Any, c: Coarsening,
         plan = plan_lib.Plan(order=order, remat=remat, offload=offload, placement={},
                              planner=NAME, budget_bytes=budget_bytes, predicted_peak_bytes=0,
                              predicted_time_s=None)
-        solver = score(graph, "cpsat", plan, cost_model)
+        solver = score(graph, "cpsat", plan, cost_model, opts.bitwise)
         assert result.time is not None and result.peak is not None  # (a schedule has both)
         notes.append(f"solver's model: step time {result.time * c.tick_s:.4g} s, peak "
                      f"{result.peak * c.unit_bytes + c.fixed_bytes:,} B (it counts memory per "

@@ -743,6 +743,32 @@ def test_the_solves_deterministic_budgets_do_not_depend_on_the_clock(monkeypatch
         plan_cpsat(g, budget, H100, {"deterministic_time_s": 0})
 
 
+def test_candidates_are_compared_as_the_rules_emit_them():
+    """The plan cpsat returns goes through the rules every planner's plan does
+    (``made_exact``), so its candidates are scored after them: a heuristic's plan the rules
+    change (bit-exact, the zoo's tiny GPT-2 train step: chen's and blocks' re-issues of
+    values XLA:CPU would fuse) is a candidate at the changed plan's simulated peak, not at
+    the peak of the plan as its planner returned it."""
+    import jaxmem.models as zoo
+    from jaxmem.planners._principles import made_exact
+
+    zs = zoo.build("gpt2", "tiny", step="train")
+    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles)
+    budget = int(0.6 * unplanned_peak(g))
+    changed = {}
+    for name in ("chen", "keep_matmuls", "blocks"):
+        raw = get(name).fn.__wrapped__(g, budget, H100, {"bitwise": True})
+        exact = made_exact(g, raw, H100, True)
+        if exact.remat != raw.remat:
+            changed[name] = (plan_lib.simulate_plan(g, raw).peak_bytes,
+                             plan_lib.simulate_plan(g, exact).peak_bytes)
+    assert changed  # else this step does not test the rule
+    plan = plan_cpsat(g, budget, H100, {"time_limit_s": 20.0})
+    scored = {c.name: c.peak_bytes for c in plan.candidates}
+    for name, (as_returned, as_emitted) in changed.items():
+        assert as_returned != as_emitted and scored[name] == as_emitted, name
+
+
 @pytest.mark.parametrize("step,budget_fraction", [("mlp", 0.8), ("mlp", 0.5), ("gpt2", 0.6)])
 def test_a_heuristics_own_scores_are_the_simulators_and_the_estimate(step, budget_fraction):
     """cpsat takes a heuristic plan's peak and time from the plan as its planner returned
@@ -751,7 +777,6 @@ def test_a_heuristics_own_scores_are_the_simulators_and_the_estimate(step, budge
     AdamW)."""
     import jaxmem.models as zoo
     from jaxmem.planners import _cpsat_heuristics as heuristics_module
-    from jaxmem.planners._principles import without_constant_decisions
     from jaxmem.planners.cpsat import CpsatOptions
 
     if step == "mlp":
@@ -767,12 +792,13 @@ def test_a_heuristics_own_scores_are_the_simulators_and_the_estimate(step, budge
     for name in opts.heuristics:
         sub = heuristics_module.options_for(name, opts, 4.0)
         raw = get(name.partition(":")[0]).fn.__wrapped__(g, budget, H100, sub)
-        plan = without_constant_decisions(g, raw)
+        plan = heuristics_module.as_emitted(g, raw, H100, opts.bitwise)
         mine = heuristics_module.rescored(g, name, plan, H100, plan is raw)
         anew = heuristics_module.score(g, name, plan, H100)
         assert (mine.peak_bytes, mine.time_s) == (anew.peak_bytes, anew.time_s), name
         reused += plan is raw and not plan.placement
-    assert reused >= len(opts.heuristics) - 1
+    # on GPT-2 the bit-exact rules change most plans (scored anew): some are reused still
+    assert reused >= (len(opts.heuristics) - 1 if step == "mlp" else 1)
     # a planner not on the list may carry another time (qlearn's measured one): scored anew
     other = plan.replace(predicted_time_s=123.0)
     assert heuristics_module.rescored(g, "qlearn", other, H100, True).time_s == anew.time_s
