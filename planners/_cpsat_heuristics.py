@@ -4,15 +4,16 @@ Two kinds, run in the order ``CpsatOptions.heuristics`` gives:
 
 * **fixed plans** (``chen``, ``keep_matmuls``, ``keep_matmuls_no_batch``, ``blocks`` and
   its ``save`` variants): one plan each whatever the budget, so a re-plan of the verify
-  loop takes them from ``memo``; each costs a planner call and one simulation;
-* **searches** (``keep_matmuls_fit``, ``greedy``, ``sublinear``, and any other
+  loop takes them from ``memo``; each costs a planner call, the rules every plan goes
+  through (:func:`as_emitted`) and a simulation where they change it;
+* **searches** (``keep_matmuls_fit``, ``sublinear``, ``greedy``, and any other
   registered planner): they search for the budget and improve with the seconds they get.
 
 They run in turn within ``HEURISTIC_SHARE`` of ``time_limit_s``, each search given what
-is left of it; a heuristic not reached in time is skipped, and the notes say so. On
-GPT-2 at bench size the fixed plans take about 1.5 s each and ``keep_matmuls_fit`` all
-that is left at tight budgets, so ``greedy`` and ``sublinear`` run there only in the
-verify loop's re-plans (the fixed plans memoized).
+is left of it; a heuristic not reached in time is skipped, and the notes say so (what
+each takes on GPT-2 at bench size: docs/planners.md, "How cpsat decides"). A search not
+reached in the first call may run in the verify loop's re-plans, where the fixed plans
+come from ``memo``.
 
 With ``search_share`` (an option of ``cpsat``, 0 by default) the searches have that
 share of the limit of their own: the fixed plans stop where only it is left of the
