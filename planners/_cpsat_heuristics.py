@@ -86,9 +86,11 @@ def as_emitted(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool
 def rescored(graph: Any, name: str, plan: plan_lib.Plan, cost_model: Any,
              as_returned: bool) -> Scored:
     """:func:`score`, taking the peak and time the planner gave ``plan`` when it is the
-    plan as returned (``as_returned``) by one of ``SCORED_AS_RETURNED``, with no state
-    placed: it carries the simulator's peak and the shared estimate already, and scoring
-    it again was a second simulation per heuristic (a second or two on a 7,000-op step)."""
+    plan as returned (``as_returned``) by one of ``SCORED_AS_RETURNED``, or as the rules
+    made it (:func:`as_emitted`: they simulate and estimate what they change), with no
+    state placed: it carries the simulator's peak and the shared estimate already, and
+    scoring it again was a second simulation per heuristic (a second or two on a 7,000-op
+    step)."""
     if (not as_returned or name.partition(":")[0] not in SCORED_AS_RETURNED
             or plan.placement or plan.predicted_time_s is None):
         return score(graph, name, plan, cost_model)
@@ -170,7 +172,7 @@ def heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: Any,
             logger.warning("cpsat: heuristic planner %r failed (%s: %s); continuing without it",
                            name, type(err).__name__, err)
             continue
-        out.append(rescored(graph, name, plan, cost_model, plan is raw))
+        out.append(rescored(graph, name, plan, cost_model, True))
         if memo is not None:
             memo[key] = out[-1]
         notes.append(f"heuristic {name!r}: {time.perf_counter() - now:.2f} s"
@@ -179,7 +181,7 @@ def heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: Any,
         for alt in raw.alternatives:  # close plans its search found: candidates too
             alt_name = alt.source or f"{name}:alternative"
             kept = as_emitted(graph, alt, cost_model, opts.bitwise)
-            out.append(rescored(graph, alt_name, kept, cost_model, kept is alt))
+            out.append(rescored(graph, alt_name, kept, cost_model, True))
             notes.append(f"heuristic {alt_name!r}: {out[-1].peak_bytes:,} B, "
                          f"{out[-1].time_s:.4g} s estimated")
     if skipped:

@@ -17,8 +17,10 @@ It also holds the plan edits every rule shares: :func:`resimulated` and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 from jaxmem.analysis import materialize as mat
 from jaxmem.plans import plan as plan_lib
@@ -37,9 +39,28 @@ def constant_tensors(graph: Any) -> frozenset[int]:
     return frozenset(constant)
 
 
-def resimulated(graph: Any, plan: plan_lib.Plan) -> tuple[int, str]:
-    """The simulated peak of a plan a rule changed, and its status against its budget."""
-    peak = plan_lib.simulate_plan(graph, plan).peak_bytes
+# Set while rules run in a row (:func:`one_simulation`): each leaves the peak to the end.
+_DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar("deferred", default=False)
+
+
+@contextlib.contextmanager
+def one_simulation() -> Iterator[None]:
+    """Rules applied inside leave a changed plan's peak and status as they were, for the
+    caller to simulate the result once (:func:`resimulated` with its schedule)."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def resimulated(graph: Any, plan: plan_lib.Plan, schedule: Any = None) -> tuple[int, str]:
+    """The simulated peak of a plan a rule changed, and its status against its budget
+    (inside :func:`one_simulation`: the plan's own, not simulated). ``schedule``:
+    ``build_schedule(graph, plan)`` where the caller has it."""
+    if _DEFERRED.get():
+        return plan.predicted_peak_bytes, plan.status
+    peak = plan_lib.simulate_plan(graph, plan, schedule).peak_bytes
     status = plan.status
     if status == "ok" and peak > plan.budget_bytes:
         status = "over_budget"

@@ -71,6 +71,8 @@ from jaxmem.planners._bound import TimeBound, time_bound
 from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners._folding import (
     constant_tensors,
+    one_simulation,
+    resimulated,
     with_scaled_operands,
     without_copied_double_scalings,
     without_reissues,
@@ -340,7 +342,7 @@ def refused_reductions(graph: Any, plan: plan_lib.Plan,
                   if view.primitives[producer(t)] in REDUCTIONS and small(t)]
     if not reductions:
         return frozenset()
-    plain = {} if plain is None else plain
+    plain = _plain_side(graph) if plain is None else plain
     if "schedule" not in plain:
         schedule = plan_lib.build_schedule(view, plan_lib.unplanned(graph))
         plain.update(schedule=schedule, readers=_live_readers(schedule),
@@ -360,6 +362,23 @@ def refused_reductions(graph: Any, plan: plan_lib.Plan,
                for w in versions if w in readers or w in planned.final):
             out.add(t)
     return frozenset(out)
+
+
+# graph id -> (the graph, the plain step's side of refused_reductions), the last few
+_PLAIN_SIDES: dict[int, tuple[Any, dict[Any, Any]]] = {}
+
+
+def _plain_side(graph: Any) -> dict[Any, Any]:
+    """The dict :func:`refused_reductions` keeps the plain step's side of ``graph`` in: one
+    per graph, so every plan of a graph shares it (a schedule of the step as written)."""
+    hit = _PLAIN_SIDES.get(id(graph))
+    if hit is not None and hit[0] is graph:
+        return hit[1]
+    if len(_PLAIN_SIDES) >= 8:
+        _PLAIN_SIDES.clear()
+    side: dict[Any, Any] = {}
+    _PLAIN_SIDES[id(graph)] = (graph, side)
+    return side
 
 
 def _live_readers(schedule: Any) -> dict[int, set[int]]:
@@ -383,7 +402,7 @@ def without_refused_reductions(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan
     left: a dropped re-issue gives its readers back to the other copies)."""
     dropped: set[int] = set()
     kept = plan
-    plain: dict[Any, Any] = {}  # the plain step's side, worked out once
+    plain = _plain_side(graph)  # the plain step's side, worked out once per graph
     while True:
         more = refused_reductions(graph, kept, plain)
         if not more:
@@ -472,16 +491,22 @@ def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool =
     operands added, no re-issued copy XLA:CPU fuses into re-issued readers, and no re-issued
     reduction XLA:CPU would compute elsewhere than the plain step. A plan a rule changed
     is estimated again (its ``predicted_time_s``, where it had one)."""
-    exact = without_key_reissues(graph, without_constant_decisions(graph, plan))
-    if bitwise:
-        exact = without_masked_sums(graph, exact)
-        exact = with_scaled_operands(graph, exact)
-        exact = without_copied_double_scalings(graph, exact)
-        exact = without_refused_fused_copies(graph, exact)
-        exact = without_refused_reductions(graph, exact)
-    changed = exact.remat != plan.remat or exact.offload != plan.offload
-    if changed and cost_model is not None and plan.predicted_time_s is not None:
-        exact = exact.replace(predicted_time_s=estimate_time_s(graph, exact, cost_model))
+    with one_simulation():  # the rules' result is simulated once, below
+        exact = without_key_reissues(graph, without_constant_decisions(graph, plan))
+        if bitwise:
+            exact = without_masked_sums(graph, exact)
+            exact = with_scaled_operands(graph, exact)
+            exact = without_copied_double_scalings(graph, exact)
+            exact = without_refused_fused_copies(graph, exact)
+            exact = without_refused_reductions(graph, exact)
+    if exact.remat == plan.remat and exact.offload == plan.offload:
+        return exact
+    schedule = plan_lib.build_schedule(graph, exact)
+    peak, status = resimulated(graph, exact, schedule)
+    exact = exact.replace(predicted_peak_bytes=peak, status=status)
+    if cost_model is not None and plan.predicted_time_s is not None:
+        exact = exact.replace(predicted_time_s=estimate_time_s(graph, exact, cost_model,
+                                                               schedule))
     return exact
 
 
