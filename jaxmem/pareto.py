@@ -482,8 +482,8 @@ class _Sweep:
         The minimum a failure names is a plan's compiled footprint, which the verify loop
         at that budget recalls (:mod:`jaxmem.verify.recall`); where that point fails anyway
         (the plan was forgotten: more steps were planned in between than the recall keeps),
-        the larger budget it names
-        is tried in turn (at most :data:`SMALLEST_TRIES` budgets)."""
+        the larger budget it names is tried in turn (at most :data:`SMALLEST_TRIES`
+        budgets)."""
         points: list[Point] = []
         for budget in sweep_budgets(self.unplanned_bytes, factor, min_fraction):
             point = self.point(config, budget)
