@@ -72,15 +72,13 @@ def score(graph: Any, name: str, plan: plan_lib.Plan, cost_model: Any,
 def as_emitted(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool
                ) -> plan_lib.Plan:
     """``plan`` under the rules every planner's plan goes through
-    (:func:`~jaxmem.planners._principles.made_exact`), ``plan`` itself when they change
-    nothing. ``cpsat``'s own result goes through them, so its candidates are compared as
+    (:func:`~jaxmem.planners._principles.made_exact`; ``plan`` itself when they change
+    nothing). ``cpsat``'s own result goes through them, so its candidates are compared as
     they will be emitted: on ResNet-50 bench under ``bitwise`` the rules keep 16 of
     ``keep_matmuls``' 49 re-issued values (XLA:CPU would compute them inside their readers'
     kernels) and its simulated peak goes from 7.57 to 9.78 GB, over budgets it fitted
     before them."""
-    exact = made_exact(graph, plan, cost_model, bitwise)
-    same = exact.remat == plan.remat and exact.offload == plan.offload
-    return plan if same else exact
+    return made_exact(graph, plan, cost_model, bitwise)
 
 
 def rescored(graph: Any, name: str, plan: plan_lib.Plan, cost_model: Any,

@@ -490,7 +490,8 @@ def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool =
     constants, no re-issued key; under ``bitwise``, no re-issued masked sum, the scaled
     operands added, no re-issued copy XLA:CPU fuses into re-issued readers, and no re-issued
     reduction XLA:CPU would compute elsewhere than the plain step. A plan a rule changed
-    is estimated again (its ``predicted_time_s``, where it had one)."""
+    is simulated and estimated again from one schedule (its ``predicted_time_s``, where it
+    had one); ``plan`` itself when no rule changes it."""
     with one_simulation():  # the rules' result is simulated once, below
         exact = without_key_reissues(graph, without_constant_decisions(graph, plan))
         if bitwise:
@@ -500,7 +501,7 @@ def made_exact(graph: Any, plan: plan_lib.Plan, cost_model: Any, bitwise: bool =
             exact = without_refused_fused_copies(graph, exact)
             exact = without_refused_reductions(graph, exact)
     if exact.remat == plan.remat and exact.offload == plan.offload:
-        return exact
+        return plan
     schedule = plan_lib.build_schedule(graph, exact)
     peak, status = resimulated(graph, exact, schedule)
     exact = exact.replace(predicted_peak_bytes=peak, status=status)

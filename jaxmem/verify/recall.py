@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import weakref
 from typing import Any, Sequence
 
 from jaxmem.config import Config
@@ -40,21 +39,6 @@ _LOCK = threading.Lock()
 # step key -> {plan decisions: (compiled bytes, plan)}
 _PLANS: collections.OrderedDict[str, dict[str, tuple[int, plan_lib.Plan]]] = (
     collections.OrderedDict())
-# id(graph) -> (a weak reference to it, its program's text): the text once per graph
-_TEXTS: dict[int, tuple[Any, str]] = {}
-
-
-def _text(graph: Any) -> str:
-    with _LOCK:
-        known = _TEXTS.get(id(graph))
-        if known is not None and known[0]() is graph:
-            return known[1]
-    text = cache_lib.program_text(graph)
-    with _LOCK:
-        for stale in [k for k, (ref, _) in _TEXTS.items() if ref() is None]:
-            del _TEXTS[stale]
-        _TEXTS[id(graph)] = (weakref.ref(graph), text)
-    return text
 
 
 def step_key(graph: Any, config: Config, target: Any) -> str:
@@ -64,7 +48,7 @@ def step_key(graph: Any, config: Config, target: Any) -> str:
     options = sorted((k, v) for k, v in config.planner_options().items()
                      if k not in _SEARCH_ONLY)
     return cache_lib.fingerprint(
-        _text(graph), config.planner, options, target.name,
+        cache_lib.program_text(graph), config.planner, options, target.name,
         sorted(target.compiler_options.items()),
         *(() if config.op_times == "roofline" else (config.op_times,)))
 
@@ -109,4 +93,3 @@ def forget() -> None:
     """Drop every remembered plan (tests; a process that wants each call on its own)."""
     with _LOCK:
         _PLANS.clear()
-        _TEXTS.clear()
