@@ -28,8 +28,8 @@ How it runs, within ``time_limit_s``:
    ``sublinear`` and ``greedy``) are mapped onto the coarse problem and
    repaired greedily (:mod:`._cpsat_hint`) until they fit the model's memory, in the
    simulator's ranking; the best in the model's terms becomes the solver's hint. The
-   heuristics run in turn within half of ``time_limit_s``, each search given what is
-   left of it (:mod:`._cpsat_heuristics`; one that is not reached in time is skipped,
+   heuristics run in turn within half of ``time_limit_s``, each search given an equal
+   share of what is left of it (:mod:`._cpsat_heuristics`; one not reached in time is skipped,
    and the notes say so); repairs stop after another 15% (on a 7,000-op step they took
    minutes). The plans that do not depend on the budget are kept in ``memo`` for the
    verify loop's re-plans.
@@ -176,7 +176,7 @@ class CpsatOptions(PlannerOptions):
         its plans win by the planners' estimate and not yet by the compiled roofline).
       search_share: share of ``time_limit_s`` the searches among the heuristics have of
         their own, which the fixed plans before them cannot spend (0: none; the searches
-        get what is left of the heuristics' half; :mod:`._cpsat_heuristics`).
+        share what is left of the heuristics' half; :mod:`._cpsat_heuristics`).
       min_decision_bytes: buffers smaller than this are always kept (``None``:
         ``budget / 2000``: fewer variables, little memory left on the table).
       heuristics: registered planners, run in this order, whose plans warm-start the
@@ -197,7 +197,7 @@ class CpsatOptions(PlannerOptions):
     search_share: float = 0.0
     min_decision_bytes: int | None = None
     # one simulation each first (their plans do not depend on the budget: a re-plan of
-    # the verify loop reuses them), then the searches, which share what is left; sublinear
+    # the verify loop reuses them), then the searches, in equal shares of what is left; sublinear
     # before greedy: the bit-exact rules take back few of its re-issues and many of greedy's
     # (ResNet-50 bench at 0.64 of its peak: 6.90 -> 6.93 GB as emitted, greedy 7.39 -> 9.92)
     heuristics: tuple[str, ...] = ("chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks",
