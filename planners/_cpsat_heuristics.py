@@ -9,11 +9,13 @@ Two kinds, run in the order ``CpsatOptions.heuristics`` gives:
 * **searches** (``keep_matmuls_fit``, ``sublinear``, ``greedy``, and any other
   registered planner): they search for the budget and improve with the seconds they get.
 
-They run in turn within ``HEURISTIC_SHARE`` of ``time_limit_s``; each search is given an
-equal share of what is left of it among the searches still to run (time one leaves
-unused goes to those after it), so that none takes the window from the others: with
-each search given all that was left, ``sublinear`` took 8.5 s on GPT-2 bench at 0.8 of
-its peak and ``greedy``, whose plan seeds the solver's fastest there, got 0.2 s.
+They run in turn within ``HEURISTIC_SHARE`` of ``time_limit_s``. The first search
+(``keep_matmuls_fit`` by default: it ends by itself at loose budgets, and on Llama bench's
+re-plans it needs the whole 2.4 s window to find the plan kept there) is given what is
+left; each search after it an equal share of what is left among those still to run (time
+one leaves unused goes to those after it), so that none takes the window from the
+others: with each given all that was left, ``sublinear`` took 8.5 s on GPT-2 bench at
+0.8 of its peak and ``greedy``, whose plan seeds the solver's fastest there, got 0.2 s.
 A heuristic not reached in time is skipped, and the notes say so (what each takes on
 GPT-2 at bench size: docs/planners.md, "How cpsat decides"). A search not reached in the
 first call may run in the verify loop's re-plans, where the fixed plans come from
@@ -133,7 +135,9 @@ def heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: Any,
     own = float(opts.search_share) * float(opts.time_limit_s)
     search_end = None
     skipped = []
-    searches = sum(n.partition(":")[0] not in FIXED_PLANS for n in opts.heuristics)
+    # searches after the first, still to run: they share what the first leaves equally
+    sharing = max(0, sum(n.partition(":")[0] not in FIXED_PLANS for n in opts.heuristics) - 1)
+    first_search = True
     for name in opts.heuristics:
         now = time.perf_counter()
         base = name.partition(":")[0]
@@ -143,8 +147,11 @@ def heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: Any,
         else:
             if search_end is None:
                 search_end = max(deadline, now + own)
-            left = (search_end - now) / searches  # an equal share of what is left
-            searches -= 1
+            left = search_end - now
+            if not first_search:
+                left /= sharing
+                sharing -= 1
+            first_search = False
         if left <= 0:
             skipped.append(name)
             continue
