@@ -23,11 +23,13 @@ import logging
 from typing import Any, Collection, Iterator, Sequence
 
 from jaxmem.analysis import materialize as mat
+from jaxmem.analysis.memgraph import per_graph
 from jaxmem.plans import plan as plan_lib
 
 logger = logging.getLogger(__name__)
 
 
+@per_graph
 def constant_tensors(graph: Any) -> frozenset[int]:
     """Tensors computed from literals and the program's constants only (no input on the way)."""
     inputs = set(graph.inputs)

@@ -67,6 +67,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from jaxmem.analysis import materialize as mat
+from jaxmem.analysis.memgraph import per_graph
 from jaxmem.planners._bound import TimeBound, time_bound
 from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners._folding import (
@@ -119,6 +120,7 @@ _KEY_OPS = frozenset({"random_seed", "random_wrap", "random_unwrap", "random_spl
                       "random_fold_in"})
 
 
+@per_graph
 def key_tensors(graph: Any) -> frozenset[int]:
     """PRNG keys and their data: outputs of key operations (``random_split``,
     ``random_unwrap``, ...), and of layout ops (an ``unstack`` of split keys, a slice) whose
@@ -152,6 +154,7 @@ def without_constant_decisions(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan
         "around them", host_copies=sorted(set(plan.offload) & constant))
 
 
+@per_graph
 def masked_sums(graph: Any) -> frozenset[int]:
     """Values that apply a random mask (dropout) and that a reduction reads.
 
@@ -364,21 +367,11 @@ def refused_reductions(graph: Any, plan: plan_lib.Plan,
     return frozenset(out)
 
 
-# graph id -> (the graph, the plain step's side of refused_reductions), the last few
-_PLAIN_SIDES: dict[int, tuple[Any, dict[Any, Any]]] = {}
-
-
+@per_graph
 def _plain_side(graph: Any) -> dict[Any, Any]:
     """The dict :func:`refused_reductions` keeps the plain step's side of ``graph`` in: one
     per graph, so every plan of a graph shares it (a schedule of the step as written)."""
-    hit = _PLAIN_SIDES.get(id(graph))
-    if hit is not None and hit[0] is graph:
-        return hit[1]
-    if len(_PLAIN_SIDES) >= 8:
-        _PLAIN_SIDES.clear()
-    side: dict[Any, Any] = {}
-    _PLAIN_SIDES[id(graph)] = (graph, side)
-    return side
+    return {}
 
 
 def _live_readers(schedule: Any) -> dict[int, set[int]]:

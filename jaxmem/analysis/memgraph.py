@@ -11,7 +11,8 @@ closed-over constants. Op ids are equation indices.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import functools
+from typing import Any, Callable, Mapping, TypeVar
 
 from jaxmem.tracing.trace import Program
 
@@ -109,6 +110,9 @@ class MemGraph:
     outputs: tuple[int, ...]
     var_to_tensor: Mapping[Any, int]
     target: str = "h100"
+    # facts of the graph alone, worked out once each (:func:`per_graph`)
+    memo: dict[Any, Any] = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                             compare=False, hash=False)
 
     def topo_order(self) -> tuple[int, ...]:
         """The jaxpr order of the ops (a valid topological order)."""
@@ -131,3 +135,24 @@ class MemGraph:
         n_mat = sum(t.materialized for t in self.tensors)
         return (f"MemGraph: {len(self.ops)} ops, {len(self.tensors)} tensors "
                 f"({n_mat} buffers, {self.materialized_bytes / 2**20:.1f} MiB in all)")
+
+
+_T = TypeVar("_T")
+
+
+def per_graph(fn: Callable[[Any], _T]) -> Callable[[Any], _T]:
+    """Decorator: ``fn(graph)`` worked out once per :class:`MemGraph` and kept with it
+    (``MemGraph.memo``), for facts of the graph alone that every plan of a step asks for
+    again (the program's text, its constant values, the plain step's schedule). An object
+    without a ``memo`` (a test's stand-in for a graph) is not memoized."""
+
+    @functools.wraps(fn)
+    def once(graph: Any) -> _T:
+        memo = getattr(graph, "memo", None)
+        if memo is None:
+            return fn(graph)
+        if fn not in memo:
+            memo[fn] = fn(graph)
+        return memo[fn]
+
+    return once

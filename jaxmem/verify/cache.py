@@ -19,13 +19,12 @@ import json
 import logging
 import os
 import tempfile
-import threading
-import weakref
 from pathlib import Path
 from typing import Any
 
 import jax
 
+from jaxmem.analysis.memgraph import per_graph
 from jaxmem.config import DEFAULT_PLAN_CACHE, Config
 from jaxmem.plans import plan as plan_lib
 
@@ -52,28 +51,15 @@ def fingerprint(program_text: str, *parts: Any) -> str:
     return h.hexdigest()
 
 
-# id(graph) -> (a weak reference to it, its program's text): each graph printed once
-_TEXTS: dict[int, tuple[Any, str]] = {}
-_TEXTS_LOCK = threading.Lock()
-
-
+@per_graph
 def program_text(graph: Any) -> str:
     """A canonical text of a traced step: its jaxpr with the input avals, shardings, donation
     and roles (two steps of one text plan alike); worked out once per graph (the plan cache's
     key and the verify loop's remembered plans both read it)."""
-    with _TEXTS_LOCK:
-        known = _TEXTS.get(id(graph))
-        if known is not None and known[0]() is graph:
-            return known[1]
     program = graph.program
     avals = ", ".join(str(v.aval) for v in program.jaxpr.jaxpr.invars)
-    text = (f"{program.jaxpr}\navals: {avals}\nshardings: {program.in_shardings}\n"
+    return (f"{program.jaxpr}\navals: {avals}\nshardings: {program.in_shardings}\n"
             f"donated: {program.donated}\nroles: {program.in_roles}")
-    with _TEXTS_LOCK:
-        for stale in [k for k, (ref, _) in _TEXTS.items() if ref() is None]:
-            del _TEXTS[stale]
-        _TEXTS[id(graph)] = (weakref.ref(graph), text)
-    return text
 
 
 def plan_key(graph: Any, config: Config, target: Any) -> str:
