@@ -10,11 +10,14 @@ best), at one budget; ``-m slow`` runs every registered planner at every budget.
 ``python -m tests.corpus`` prints the table of outcomes.
 
 Cases that fail for a known cause in the library are marked ``xfail(strict=True)`` with
-that cause; a fix makes them pass, and the mark must then go.
+that cause; a fix makes them pass, and the mark must then go. On jax 0.12 a plan that
+re-issues values or copies them to host may differ in its last bits
+(``TIED_ROUND_OTHERWISE``); a crash, or a changed bit of a plan without either, still fails.
 """
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 import corpus
@@ -62,9 +65,19 @@ DEFAULT = [case(s, p, corpus.DEFAULT_BUDGET) for s in STEPS for p in DEFAULT_PLA
 MATRIX = [case(s, p, b) for s in STEPS for p in PLANNERS for b in corpus.BUDGETS]
 
 
+# XLA:CPU in jaxlib 0.12 expands optimization barriers after scheduling, so values a plan
+# re-issues or copies to host (each tied with barriers) are fused and rounded otherwise
+# than in the plain step (conftest.CPU_REMAT_BITS, CPU_OFFLOAD_FUSION): there such a plan
+# may change the last bits; a plan with neither may not, and no case may crash.
+TIED_ROUND_OTHERWISE = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
+
+
 def check(step: str, planner: str, budget: str, time_limit_s: float) -> None:
     o = corpus.cached_case(step, planner, budget, time_limit_s)
-    assert o.kind in (corpus.BITWISE, corpus.CLEAR), (
+    allowed = (corpus.BITWISE, corpus.CLEAR)
+    if TIED_ROUND_OTHERWISE and o.tied:
+        allowed += (corpus.MISMATCH,)
+    assert o.kind in allowed, (
         f"{step} planned by {planner} at {budget}: {o.kind} ({o.decisions} decisions, plan "
         f"status {o.status!r}): {o.detail}")
 

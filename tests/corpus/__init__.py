@@ -73,6 +73,8 @@ class Outcome:
         jaxmem refuses with a named reason and a fallback warning), ``crash`` (any other
         exception) or ``mismatch`` (the planned step's bits differ).
       decisions: re-issued + offloaded + placed tensors, plus 1 when the order changed.
+      tied: re-issued and offloaded tensors (the emitter ties each to its place in the
+        order with optimization barriers).
       detail: the error, or the differing leaves and their worst difference in ulps.
       seconds: wall time of the case (planning, emitting, compiling and running).
     """
@@ -85,6 +87,7 @@ class Outcome:
     decisions: int = 0
     detail: str = ""
     seconds: float = 0.0
+    tied: int = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -170,7 +173,8 @@ def run_case(name: str, planner: str, budget: str, time_limit_s: float = TIME_LI
 
     def outcome(kind: str, n: int = 0, detail: str = "") -> Outcome:
         return Outcome(name, planner, budget, kind, plan.status if plan else "", n, detail,
-                       time.perf_counter() - started)
+                       time.perf_counter() - started,
+                       len(plan.remat) + len(plan.offload) if plan else 0)
 
     step_fn, args, donate, expected, budgets = reference(name)
     config = jaxmem.Config(budget=budgets[budget], target=TARGET, planner=planner,
