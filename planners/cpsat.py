@@ -28,11 +28,12 @@ How it runs, within ``time_limit_s``:
    ``sublinear`` and ``greedy``) are mapped onto the coarse problem and
    repaired greedily (:mod:`._cpsat_hint`) until they fit the model's memory, in the
    simulator's ranking; the best in the model's terms becomes the solver's hint. The
-   heuristics run in turn within half of ``time_limit_s``, each search given an equal
-   share of what is left of it (:mod:`._cpsat_heuristics`; one not reached in time is skipped,
-   and the notes say so); repairs stop after another 15% (on a 7,000-op step they took
-   minutes). The plans that do not depend on the budget are kept in ``memo`` for the
-   verify loop's re-plans.
+   heuristics run in turn within half of ``time_limit_s``, the first search given what
+   is left of it and each after it an equal share of what is left
+   (:mod:`._cpsat_heuristics`; one not reached in time is skipped, and the notes say
+   so); repairs stop after another 15% (on a 7,000-op step they took minutes). The
+   plans that do not depend on the budget are kept in ``memo`` for the verify loop's
+   re-plans.
    With ``block_solve``, the step solved over its repeated layers (:mod:`._block_solve`)
    follows within a fifth of the limit: a plan of the solver's own, as step 3's is.
 2. **Fixed order.** The order of the warm start is kept and CP-SAT decides
@@ -197,7 +198,7 @@ class CpsatOptions(PlannerOptions):
     search_share: float = 0.0
     min_decision_bytes: int | None = None
     # one simulation each first (their plans do not depend on the budget: a re-plan of
-    # the verify loop reuses them), then the searches, in equal shares of what is left; sublinear
+    # the verify loop reuses them), then the searches, which share what is left; sublinear
     # before greedy: the bit-exact rules take back few of its re-issues and many of greedy's
     # (ResNet-50 bench at 0.64 of its peak: 6.90 -> 6.93 GB as emitted, greedy 7.39 -> 9.92)
     heuristics: tuple[str, ...] = ("chen", "keep_matmuls", "keep_matmuls_no_batch", "blocks",
