@@ -135,9 +135,8 @@ def heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: Any,
     own = float(opts.search_share) * float(opts.time_limit_s)
     search_end = None
     skipped = []
-    # searches after the first, still to run: they share what the first leaves equally
-    sharing = max(0, sum(n.partition(":")[0] not in FIXED_PLANS for n in opts.heuristics) - 1)
-    first_search = True
+    searches = sum(n.partition(":")[0] not in FIXED_PLANS for n in opts.heuristics)
+    reached = 0  # searches reached so far; those after the first share what is left
     for name in opts.heuristics:
         now = time.perf_counter()
         base = name.partition(":")[0]
@@ -148,10 +147,9 @@ def heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: Any,
             if search_end is None:
                 search_end = max(deadline, now + own)
             left = search_end - now
-            if not first_search:
-                left /= sharing
-                sharing -= 1
-            first_search = False
+            if reached:
+                left /= searches - reached
+            reached += 1
         if left <= 0:
             skipped.append(name)
             continue

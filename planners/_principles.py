@@ -306,8 +306,7 @@ def _reduction_fused_alone(graph: Any, schedule: Any, version: int,
     return len(kernels) == 1 and not reuse
 
 
-def refused_reductions(graph: Any, plan: plan_lib.Plan,
-                       plain: dict[Any, Any] | None = None) -> frozenset[int]:
+def refused_reductions(graph: Any, plan: plan_lib.Plan) -> frozenset[int]:
     """Re-issued reductions some copy of which XLA:CPU computes otherwise than the plain step.
 
     A reduction is computed either as a kernel of its own or inside the loop of its one
@@ -319,9 +318,8 @@ def refused_reductions(graph: Any, plan: plan_lib.Plan,
     loop, and 71 of 512 elements of a kernel's gradient changed. Each copy the planned step
     reads is compared with the plain step's reduction. Reductions that XLA:CPU gives to its
     YNNPACK library (:data:`_YNN_MIN_ELEMENTS`) are kernels of their own either way.
-
-    ``plain``: a dict kept across calls on one graph, where the plain step's side (its
-    schedule, readers and each reduction's place) is worked out once.
+    The plain step's side (its schedule, readers and each reduction's place) is worked
+    out once per graph (:func:`_plain_side`).
     """
     if not plan.remat:
         return frozenset()
@@ -345,12 +343,11 @@ def refused_reductions(graph: Any, plan: plan_lib.Plan,
                   if view.primitives[producer(t)] in REDUCTIONS and small(t)]
     if not reductions:
         return frozenset()
-    plain = _plain_side(graph) if plain is None else plain
+    plain = _plain_side(graph)
     if "schedule" not in plain:
         schedule = plan_lib.build_schedule(view, plan_lib.unplanned(graph))
-        plain.update(schedule=schedule, readers=_live_readers(schedule),
-                     constant=constant_tensors(graph))
-    constant = plain["constant"]
+        plain.update(schedule=schedule, readers=_live_readers(schedule))
+    constant = constant_tensors(graph)
     planned = plan_lib.build_schedule(view, plan)
     readers = _live_readers(planned)
     out = set()
@@ -395,9 +392,8 @@ def without_refused_reductions(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan
     left: a dropped re-issue gives its readers back to the other copies)."""
     dropped: set[int] = set()
     kept = plan
-    plain = _plain_side(graph)  # the plain step's side, worked out once per graph
     while True:
-        more = refused_reductions(graph, kept, plain)
+        more = refused_reductions(graph, kept)
         if not more:
             break
         dropped |= more
