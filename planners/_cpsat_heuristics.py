@@ -8,6 +8,10 @@ Two kinds, run in the order ``CpsatOptions.heuristics`` gives:
   through (:func:`as_emitted`) and a simulation where they change it;
 * **searches** (``keep_matmuls_fit``, ``sublinear``, ``greedy``, and any other
   registered planner): they search for the budget and improve with the seconds they get.
+  One whose plan fits as returned and misses once the rules have taken re-issues back
+  runs again within its share keeping those values
+  (:func:`~jaxmem.planners._principles.searched_as_emitted`); each run's plan is a
+  candidate (``greedy``, ``greedy:again``).
 
 They run in turn within ``HEURISTIC_SHARE`` of ``time_limit_s``. The first search
 (``keep_matmuls_fit`` by default: it ends by itself at loose budgets, and on Llama bench's
@@ -37,7 +41,7 @@ import time
 from typing import Any
 
 from jaxmem.planners._estimate import estimate_time_s
-from jaxmem.planners._principles import made_exact
+from jaxmem.planners._principles import made_exact, searched_as_emitted, takes_never_reissue
 from jaxmem.planners._registry import get
 from jaxmem.plans import plan as plan_lib
 
@@ -50,6 +54,9 @@ FIXED_PLANS = frozenset({"chen", "keep_matmuls", "keep_matmuls_no_batch", "block
 # returned (they end in ``_shared.finish``); another registered planner's plan may carry
 # something else (``qlearn``'s measured step time), so it is scored anew.
 SCORED_AS_RETURNED = FIXED_PLANS | {"keep_matmuls_fit", "greedy", "sublinear"}
+# The name of a search's plan when it was run again keeping the values whose re-issues
+# the rules took back from its first plan (``greedy:again``; the second time ``again2``).
+AGAIN = "again"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,25 +181,31 @@ def heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: Any,
             # over the budget already (no second simulation of it per heuristic).
             assert entry.fn is not None  # (a planner: only a peer has no function)
             fn = getattr(entry.fn, "__wrapped__", entry.fn)
-            raw = fn(graph, budget_bytes, cost_model, sub)
-            plan = as_emitted(graph, raw, cost_model, opts.bitwise)
+            if fixed or not takes_never_reissue(entry.options):
+                raw = fn(graph, budget_bytes, cost_model, sub)
+                runs = [(raw, as_emitted(graph, raw, cost_model, opts.bitwise))]
+            else:  # a search: run again where the rules' take-backs leave it over
+                runs = searched_as_emitted(fn, graph, budget_bytes, cost_model, sub,
+                                           opts.bitwise)
         except Exception as err:  # a failing heuristic must not sink the solver: report it
             notes.append(f"heuristic {name!r} failed: {type(err).__name__}: {err}")
             logger.warning("cpsat: heuristic planner %r failed (%s: %s); continuing without it",
                            name, type(err).__name__, err)
             continue
-        out.append(rescored(graph, name, plan, cost_model, True))
-        if memo is not None:
-            memo[key] = out[-1]
-        notes.append(f"heuristic {name!r}: {time.perf_counter() - now:.2f} s"
-                     f"{f' of {left:.3g}' if 'time_limit_s' in sub else ''}, "
-                     f"{out[-1].peak_bytes:,} B, {out[-1].time_s:.4g} s estimated")
-        for alt in raw.alternatives:  # close plans its search found: candidates too
-            alt_name = alt.source or f"{name}:alternative"
-            kept = as_emitted(graph, alt, cost_model, opts.bitwise)
-            out.append(rescored(graph, alt_name, kept, cost_model, True))
-            notes.append(f"heuristic {alt_name!r}: {out[-1].peak_bytes:,} B, "
-                         f"{out[-1].time_s:.4g} s estimated")
+        for i, (raw, plan) in enumerate(runs):
+            run_name = name if i == 0 else f"{name}:{AGAIN}" + (f"{i}" if i > 1 else "")
+            out.append(rescored(graph, run_name, plan, cost_model, True))
+            if memo is not None:
+                memo[key] = out[-1]
+            notes.append(f"heuristic {run_name!r}: {time.perf_counter() - now:.2f} s"
+                         f"{f' of {left:.3g}' if 'time_limit_s' in sub else ''}, "
+                         f"{out[-1].peak_bytes:,} B, {out[-1].time_s:.4g} s estimated")
+            for alt in raw.alternatives:  # close plans its search found: candidates too
+                alt_name = (alt.source or f"{name}:alternative") + run_name[len(name):]
+                kept = as_emitted(graph, alt, cost_model, opts.bitwise)
+                out.append(rescored(graph, alt_name, kept, cost_model, True))
+                notes.append(f"heuristic {alt_name!r}: {out[-1].peak_bytes:,} B, "
+                             f"{out[-1].time_s:.4g} s estimated")
     if skipped:
         notes.append(f"heuristics skipped, their {limit:.3g} s spent: "
                      f"{', '.join(map(repr, skipped))}; this plan may not repeat exactly")

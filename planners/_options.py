@@ -85,6 +85,22 @@ class PlannerOptions:
     memo: dict[Any, Any] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class SearchOptions(PlannerOptions):
+    """The common options and one more, of the planners whose plans the rules that follow
+    planning can take re-issues back from (``greedy``, ``sublinear`` and the
+    ``keep_matmuls`` planners).
+
+    Attributes:
+      never_reissue: values (tensor ids of the step's graph) the plan may not re-issue: it
+        keeps them. A search whose plan misses the budget once the rules have taken some
+        of its re-issues back is run again with those values here, so that it finds the
+        rest of its saving elsewhere (``jaxmem.planners._principles.searched_as_emitted``).
+    """
+
+    never_reissue: tuple[int, ...] = ()
+
+
 # The options every planner receives, with their defaults (a planner may declare others).
 _BASE = {f.name: f.default for f in dataclasses.fields(PlannerOptions)}
 COMMON_OPTIONS = frozenset(_BASE)

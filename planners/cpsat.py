@@ -31,7 +31,8 @@ How it runs, within ``time_limit_s``:
    heuristics run in turn within half of ``time_limit_s``, the first search given what
    is left of it and each after it an equal share of what is left
    (:mod:`._cpsat_heuristics`; one not reached in time is skipped, and the notes say
-   so); repairs stop after another 15% (on a 7,000-op step they took minutes). The
+   so; a search the rules of step 4 leave over the budget runs again keeping what they
+   took back); repairs stop after another 15% (on a 7,000-op step they took minutes). The
    plans that do not depend on the budget are kept in ``memo`` for the verify loop's
    re-plans.
    With ``block_solve``, the step solved over its repeated layers (:mod:`._block_solve`)

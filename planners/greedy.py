@@ -44,7 +44,7 @@ from typing import Any, Mapping
 
 from jaxmem.planners._estimate import estimate_time_s
 from jaxmem.planners._folding import constant_tensors
-from jaxmem.planners._options import PlannerOptions, check_options
+from jaxmem.planners._options import SearchOptions, check_options
 from jaxmem.planners._registry import register
 from jaxmem.plans import placement as placement_lib, plan as plan_lib
 
@@ -57,10 +57,11 @@ MAX_ROUNDS = 10_000
 
 
 @dataclasses.dataclass(frozen=True)
-class GreedyOptions(PlannerOptions):
+class GreedyOptions(SearchOptions):
     """The greedy planner's options: the common ones, of which it reads ``allow_remat``,
     ``allow_offload``, ``allow_state_offload`` (place inputs on host only when splits do not
-    fit), ``host_budget_bytes`` and ``time_limit_s``; it never reorders."""
+    fit), ``host_budget_bytes`` and ``time_limit_s``, and ``never_reissue`` (those it may
+    still offload); it never reorders."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +88,10 @@ class Candidate:
     offload_s: float | None
 
 
-def candidates(graph: Any, cost_model: Any) -> list[Candidate]:
-    """Every materialized forward buffer with an idle stretch of at least ``MIN_GAP_OPS`` ops."""
+def candidates(graph: Any, cost_model: Any, never_reissued: frozenset[int] = frozenset()
+               ) -> list[Candidate]:
+    """Every materialized forward buffer with an idle stretch of at least ``MIN_GAP_OPS`` ops
+    (those in ``never_reissued`` may only be offloaded)."""
     view = plan_lib.view(graph)  # the emitter's picture of which values are buffers
     constant = constant_tensors(graph)
     readers: dict[int, list[int]] = {}
@@ -117,7 +120,8 @@ def candidates(graph: Any, cost_model: Any) -> list[Candidate]:
             continue
         producer = graph.ops[t.producer]
         remat_s = None
-        if (producer.recomputable and producer.primitive not in plan_lib.NEVER_REISSUED
+        if (t.id not in never_reissued and producer.recomputable
+                and producer.primitive not in plan_lib.NEVER_REISSUED
                 and plan_lib.remat_keeps_fusion(graph, t.id, stops[k])):
             remat_s = cost_model.graph_op_time_s(graph, t.producer, t.dtype)
         offload_s = (cost_model.copy_time_s(t.bytes, "d2h") + cost_model.copy_time_s(t.bytes, "h2d")
@@ -221,7 +225,7 @@ def plan_greedy(graph: Any, budget_bytes: int, cost_model: Any,
     allow_remat, allow_offload = opts.allow_remat, opts.allow_offload
     host_budget = int(opts.host_budget_bytes)
     time_limit_s = opts.time_limit_s
-    pool = {c.tensor: c for c in candidates(graph, cost_model)}
+    pool = {c.tensor: c for c in candidates(graph, cost_model, frozenset(opts.never_reissue))}
     decisions = _Decisions(graph)
     rejected: set[int] = set()
     sim = plan_lib.simulate_plan(graph, decisions.plan(budget_bytes))

@@ -56,7 +56,7 @@ from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners._copies import TIME_TOLERANCE, free_copies
 from jaxmem.planners._folding import fused_closure
-from jaxmem.planners._options import Kind, PlannerOptions, check_options
+from jaxmem.planners._options import Kind, SearchOptions, check_options
 from jaxmem.planners._principles import made_exact, never_reissued
 from jaxmem.planners._registry import register
 from jaxmem.planners._shared import (
@@ -84,13 +84,14 @@ MATMUL_PRIMITIVES = mat.MATMULS
 
 
 @dataclasses.dataclass(frozen=True)
-class KeepMatmulsOptions(PlannerOptions):
+class KeepMatmulsOptions(SearchOptions):
     """The options of ``keep_matmuls``, ``keep_matmuls_no_batch`` and ``keep_matmuls_fit``:
     the common ones, of which they read ``bitwise`` (segments recompute the values XLA
     fuses into summations only where that keeps the plain step's bits) and
     ``keep_matmuls_fit`` ``time_limit_s`` (its search stops when it is spent, with the
     best plan so far, and says so in the notes), and with ``free_copies``,
-    ``allow_offload`` and ``host_budget_bytes``; they always recompute.
+    ``allow_offload`` and ``host_budget_bytes``; they keep ``never_reissue`` and always
+    recompute.
 
     Attributes:
       free_copies: ``keep_matmuls_fit`` copies to host the residuals whose copies the
@@ -127,7 +128,7 @@ def keep_matmuls(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     started = time.perf_counter()
     res = find_residuals(graph, fused=fused_segments(graph, opts.bitwise))
     cheap = _cheap(graph, _closures(graph, res), batched)
-    never = never_reissued(graph, opts.bitwise)
+    never = never_reissued(graph, opts.bitwise) | frozenset(opts.never_reissue)
     remat = {t: at for t, at in remat_points(graph, res, cheap)[0].items() if t not in never}
     return finish(graph, budget_bytes, cost_model, planner=name, started=started,
                   order=res.order, remat=remat, notes=[_kept_note(graph, res, remat, cheap)],
@@ -191,7 +192,7 @@ def keep_matmuls_fit(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
                graph.ops[computed_by(graph, t)].primitive)
         groups.setdefault(key, []).append(t)
 
-    never = never_reissued(graph, opts.bitwise)
+    never = never_reissued(graph, opts.bitwise) | frozenset(opts.never_reissue)
 
     def plan_dropping(dropped: list[int], copies: Mapping[int, int] | None = None
                       ) -> plan_lib.Plan:

@@ -626,7 +626,7 @@ def _slow_fixed_plans(monkeypatch, g, budget, options, fixed_s=0.2, limit_s=1.0)
                 clock[0] += fixed_s
             return fn(graph, budget_bytes, cost_model, options)
 
-        return types.SimpleNamespace(fn=timed)
+        return types.SimpleNamespace(fn=timed, options=get(name).options)
 
     with monkeypatch.context() as m:
         for module in (cpsat_module, heuristics_module):

@@ -267,3 +267,54 @@ def test_a_plan_that_copies_a_constant_loses_that_copy_with_a_note():
     assert any(f"constants only (t{c})" in n for n in plan.notes), plan.notes
     assert plan.predicted_peak_bytes == _peak(g)
 
+
+
+### A search the rules leave over the budget searches again
+
+
+@pytest.mark.parametrize("name,fraction", [("keep_matmuls_fit", 0.8), ("sublinear", 0.9)])
+def test_a_search_the_rules_leave_over_the_budget_searches_again_keeping_their_values(
+        name, fraction):
+    """The tiny U-Net's plan fits the budget as the search returns it and misses it once
+    the bit-exact rules have taken re-issues back; run again with those values kept, the
+    search fits as emitted, the registered planner returns that plan with a note, and its
+    emitted step computes the plain step's bits. ``cpsat`` scores both runs."""
+    from jaxmem import models as zoo
+    from jaxmem.planners._principles import searched_as_emitted
+
+    zs = zoo.build("unet", "tiny", step="train")
+    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
+                    target="cpu")
+    budget = int(fraction * _peak(g))
+    fn = registry.get(name).fn.__wrapped__
+    (raw, emitted), (raw_again, again) = searched_as_emitted(fn, g, budget, CPU, {}, True)
+    taken = set(raw.remat) - set(emitted.remat)
+    assert raw.predicted_peak_bytes <= budget < emitted.predicted_peak_bytes and taken
+    assert not taken & set(raw_again.remat)
+    assert again.predicted_peak_bytes <= budget
+    plan = registry.get(name).fn(g, budget, CPU, {})
+    assert plan.remat == again.remat and plan.status == "ok"
+    assert any(note.startswith("searched again keeping") for note in plan.notes), plan.notes
+    inputs = zs.make_args(seed=0)
+    assert _bitwise(jax.jit(zs.fn)(*inputs), jax.jit(emit.emit(g, plan))(*inputs))
+    cpsat = registry.get("cpsat").fn(g, budget, CPU, {"time_limit_s": 20, "heuristics": (name,),
+                                                      "deterministic_time_s": 0.5})
+    assert any(note.startswith(f"heuristic '{name}:again'") for note in cpsat.notes), \
+        cpsat.notes
+
+
+@pytest.mark.parametrize("name", ["greedy", "sublinear", "keep_matmuls", "keep_matmuls_fit"])
+def test_searches_never_reissue_what_they_are_told_to_keep(name):
+    """``never_reissue``: the values a plan re-issues without it are not re-issued with it."""
+    from jaxmem import models as zoo
+
+    zs = zoo.build("gpt2", "tiny", step="train")
+    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
+                    target="cpu")
+    fn = registry.get(name).fn.__wrapped__
+    budget = int(0.6 * _peak(g))
+    first = fn(g, budget, CPU, {"allow_offload": False} if name == "greedy" else {})
+    assert first.remat
+    told = fn(g, budget, CPU, {"never_reissue": tuple(first.remat),
+                               **({"allow_offload": False} if name == "greedy" else {})})
+    assert not set(told.remat) & set(first.remat)

@@ -63,7 +63,7 @@ import numpy as np
 
 from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
-from jaxmem.planners._options import Kind, PlannerOptions, check_options
+from jaxmem.planners._options import Kind, PlannerOptions, SearchOptions, check_options
 from jaxmem.planners._registry import register
 from jaxmem.planners._shared import (
     Profile,
@@ -131,11 +131,12 @@ class ChenOptions(PlannerOptions):
 
 
 @dataclasses.dataclass(frozen=True)
-class SublinearOptions(PlannerOptions):
+class SublinearOptions(SearchOptions):
     """The options of ``sublinear``; of the common ones it reads ``bitwise`` (as ``chen``)
     and ``time_limit_s`` (default none: the search and the refinement stop when it is
     spent, with the best plan so far, and say so in the notes; each round is one
-    simulation, about a second on a ResNet-50), and it always recomputes.
+    simulation, about a second on a ResNet-50), it keeps ``never_reissue`` as checkpoints
+    in every round, and it always recomputes.
 
     Attributes:
       rounds: threshold rounds.
@@ -195,6 +196,7 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
             return (1, estimate_time_s(graph, p, cost_model))
         return (2, sim.allocator_peak_bytes)
 
+    pinned = frozenset(opts.never_reissue)
     plain, plain_sim = score({})
     best, best_rank, best_keep = plain, rank(plain, plain_sim), frozenset[int]()
     rounds = [f"round 0: no checkpointing, memory {plain_sim.allocator_peak_bytes:,} B"]
@@ -210,7 +212,7 @@ def sublinear(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
             break  # the step fits without recomputing anything
         if out_of_time(deadline, rounds, f"the search stopped before round {r}"):
             break
-        keep = checkpoints_for_threshold(graph, res, prof, threshold)
+        keep = checkpoints_for_threshold(graph, res, prof, threshold) | pinned
         remat = _segment_plan(graph, res, keep)
         p, sim = score(remat)
         memory = sim.allocator_peak_bytes
