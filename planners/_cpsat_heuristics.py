@@ -41,7 +41,12 @@ import time
 from typing import Any
 
 from jaxmem.planners._estimate import estimate_time_s
-from jaxmem.planners._principles import made_exact, searched_as_emitted, takes_never_reissue
+from jaxmem.planners._principles import (
+    SEARCH_AGAIN,
+    made_exact,
+    searched_as_emitted,
+    takes_never_reissue,
+)
 from jaxmem.planners._registry import get
 from jaxmem.plans import plan as plan_lib
 
@@ -181,12 +186,10 @@ def heuristics(graph: Any, budget_bytes: int, cost_model: Any, opts: Any,
             # over the budget already (no second simulation of it per heuristic).
             assert entry.fn is not None  # (a planner: only a peer has no function)
             fn = getattr(entry.fn, "__wrapped__", entry.fn)
-            if fixed or not takes_never_reissue(entry.options):
-                raw = fn(graph, budget_bytes, cost_model, sub)
-                runs = [(raw, as_emitted(graph, raw, cost_model, opts.bitwise))]
-            else:  # a search: run again where the rules' take-backs leave it over
-                runs = searched_as_emitted(fn, graph, budget_bytes, cost_model, sub,
-                                           opts.bitwise)
+            # A search runs again where the rules' take-backs leave it over the budget.
+            search = not fixed and takes_never_reissue(entry.options)
+            runs = searched_as_emitted(fn, graph, budget_bytes, cost_model, sub, opts.bitwise,
+                                       again=SEARCH_AGAIN if search else 0)
         except Exception as err:  # a failing heuristic must not sink the solver: report it
             notes.append(f"heuristic {name!r} failed: {type(err).__name__}: {err}")
             logger.warning("cpsat: heuristic planner %r failed (%s: %s); continuing without it",

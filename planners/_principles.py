@@ -510,13 +510,15 @@ SEARCH_AGAIN = 2
 
 
 def searched_as_emitted(fn: Callable[..., plan_lib.Plan], graph: Any, budget_bytes: int,
-                        cost_model: Any, options: Mapping[str, Any], bitwise: bool
+                        cost_model: Any, options: Mapping[str, Any] | None, bitwise: bool,
+                        again: int = SEARCH_AGAIN
                         ) -> list[tuple[plan_lib.Plan, plan_lib.Plan]]:
     """Search ``fn``'s plans, each as returned and as the rules make it
     (:func:`made_exact`): the first, then, while the last one fits ``budget_bytes`` as
     returned and misses it as emitted (the rules took re-issues back), ``fn`` run again with
-    those values in ``never_reissue`` (those of every earlier run too), at most
-    :data:`SEARCH_AGAIN` times, within ``options``' ``time_limit_s`` from the first call.
+    those values in ``never_reissue`` (those of every earlier run too), at most ``again``
+    times, within ``options``' ``time_limit_s`` from the first call. ``again=0`` for a
+    planner that is no search (:func:`takes_never_reissue`): its one plan, made exact.
 
     The rules take a re-issue back after the search judged the plan with it: on U-Net
     bench at 7,009 MiB for ``h100`` ``greedy`` re-issued four decoder inputs that only
@@ -526,11 +528,12 @@ def searched_as_emitted(fn: Callable[..., plan_lib.Plan], graph: Any, budget_byt
     :class:`~jaxmem.planners._options.SearchOptions`.
     """
     started = time.perf_counter()
-    limit = options.get("time_limit_s")
-    never = set(options.get("never_reissue", ()))
+    given = options or {}
+    limit = given.get("time_limit_s")
+    never = set(given.get("never_reissue", ()))
     raw = fn(graph, budget_bytes, cost_model, options)
     runs = [(raw, made_exact(graph, raw, cost_model, bitwise))]
-    for _ in range(SEARCH_AGAIN):
+    for _ in range(again):
         raw, exact = runs[-1]
         taken = set(raw.remat) - set(exact.remat)
         left = None if limit is None else float(limit) - (time.perf_counter() - started)
@@ -538,9 +541,9 @@ def searched_as_emitted(fn: Callable[..., plan_lib.Plan], graph: Any, budget_byt
                 or not taken or (left is not None and left <= 0):
             break  # the rules are not what leaves it over the budget
         never |= taken
-        again = {**options, "never_reissue": tuple(sorted(never)),
-                 **({} if left is None else {"time_limit_s": left})}
-        raw = fn(graph, budget_bytes, cost_model, again)
+        keeping = {**given, "never_reissue": tuple(sorted(never)),
+                   **({} if left is None else {"time_limit_s": left})}
+        raw = fn(graph, budget_bytes, cost_model, keeping)
         raw = raw.replace(notes=(*raw.notes, f"searched again keeping the {len(never)} "
                                  f"values whose re-issues the rules took back from the "
                                  f"plan before"))
@@ -596,13 +599,10 @@ def principled(name: str, fn: Callable[..., plan_lib.Plan],
         if plain is not None:
             return plain
         bitwise = bool((options or {}).get("bitwise", True))
-        if takes_never_reissue(options_class):
-            runs = searched_as_emitted(fn, graph, budget_bytes, cost_model, options or {},
-                                       bitwise)
-            raw, made = min(runs, key=lambda run: _rank(run[1], budget_bytes))
-        else:
-            raw = fn(graph, budget_bytes, cost_model, options)
-            made = made_exact(graph, raw, cost_model, bitwise)
+        runs = searched_as_emitted(
+            fn, graph, budget_bytes, cost_model, options, bitwise,
+            again=SEARCH_AGAIN if takes_never_reissue(options_class) else 0)
+        raw, made = min(runs, key=lambda run: _rank(run[1], budget_bytes))
         bound = (None if cost_model is None else
                  bound_for(graph, budget_bytes, cost_model, options or {}, bitwise))
         # A relaxed plan leaves its re-issues' first copies to XLA (Plan.bitwise) only on
