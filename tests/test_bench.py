@@ -390,3 +390,16 @@ def test_bf16_ulps_measures_a_leaf_that_is_zero_at_its_parts_precision_in_that_p
     # The loss is a part of its own: its ulps are its own, not the gradients'.
     loss_off = (np.float32(3.0 + 2**-6), plain[1])
     assert bf16_ulps(loss_off, plain) == 1.0
+
+
+def test_free_copies_compiles_the_plan_with_copies_again_with_a_latency_profile(capsys):
+    """``bench.experiments.free_copies --latency-profile``: the plan with copies compiles a
+    second time with a latency profile for XLA's GPU scheduler, the same program (its host
+    bytes) in another schedule."""
+    from bench.experiments import free_copies
+
+    assert free_copies.main(["mlp", "tiny", "0.05", "--latency-profile"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| 0.1 |")]
+    assert [r[1] for r in rows] == ["none", "free", "free, profiled"]
+    assert rows[1][6] == rows[2][6]  # compiled host MiB

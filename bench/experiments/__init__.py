@@ -12,8 +12,9 @@ and prints its own table. Run one from the repository root as
 * ``cpu_fit [--programs N] [--planners ...]``: whether CPU plans fit as compiled where the
   simulator says they do, under the CPU target's exact compiler options and with
   ``jaxmem.targets.CPU_KEEP_REMAT``; random programs from :mod:`tests.random_programs`.
-* ``free_copies MODEL SIZE BUDGETS_MIB``: ``keep_matmuls_fit`` with and without the host
-  copies the planners' estimate hides, and what the compiled step makes of them.
+* ``free_copies MODEL SIZE BUDGETS_MIB [--latency-profile]``: ``keep_matmuls_fit`` with and
+  without the host copies the planners' estimate hides, and what the compiled step makes of
+  them (also with a latency profile for XLA's GPU scheduler).
 * ``kernel_diff MODEL FRACTION PLANS [--size S]``: each plan's compiled kernels against the
   unplanned step's, by signature, with the roofline time each change adds or saves.
 * ``op_times --models ... --size small --fractions ...``: whether profiled op times pick faster
