@@ -128,37 +128,36 @@ class _Block:
 
 def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
           bitwise: bool = True, seed: int = 0, deadline: float | None = None,
-          fused_at_arithmetic: bool = False) -> Solved:
+          fused_at_arithmetic: bool = False, memo: dict | None = None) -> Solved:
     """The block-level plan of ``graph`` under ``budget_bytes`` (module docstring).
 
     ``fused_at_arithmetic``: price a re-issue XLA fuses into its readers at its arithmetic
     only, as the step-time estimate does, instead of at its roofline time (for comparison:
     docs/planners.md).
 
-    ``deadline`` (a ``time.perf_counter()`` value): no block solve or round of the step
-    model starts after it, and the note says so.
+    ``deadline`` (a ``time.perf_counter()`` value): no block solve starts after it, a
+    CP-SAT solve stops at it, and a round of the step model starts only while there is
+    time left for one as long as the last (the first: the two simulations of
+    the step it makes, timed on the plan that keeps everything); the note says where
+    the clock cut the solve short.
+
+    ``memo``: a dict kept across calls on the same graph and cost model (the verify
+    loop's): the blocks and their strategies do not depend on the budget, so a later
+    call solves only the step model.
     """
     started = time.perf_counter()
-    res = find_residuals(graph, fused=fused_segments(graph, bitwise))
-    forward = [op for op in res.order if graph.ops[op].phase == "forward"]
-    cuts = forward_cuts(graph, res)
-    found = detect_blocks(graph, res, forward, cuts).found
-    if len(found) < 2:
-        return Solved(None, "", "block solve: no repeated blocks")
-    blocks = _blocks(graph, res, cost_model, forward, cuts, found, bitwise)
-    if not any(b.candidates for b in blocks):
-        return Solved(None, "", "block solve: no block has a residual it may re-issue")
-    strategies: dict[int, list[Strategy]] = {}
     stopped: list[str] = []
-    for b in blocks:
-        if b.klass not in strategies:
-            if out_of_time(deadline, stopped, "the block-level solve stopped before its "
-                                              "blocks were solved"):
-                return Solved(None, "", "block solve: " + stopped[0])
-            strategies[b.klass] = block_strategies(graph, res, cost_model, b, seed,
-                                                   fused_at_arithmetic)
-    marks = _marks(res, blocks)
-    base = _window_live(graph, res, plan_lib.unplanned(graph), marks)
+    key = ("block solve", bitwise, seed, fused_at_arithmetic)
+    if memo is not None and key in memo:
+        prepared = memo[key]
+    else:
+        prepared = _prepare(graph, cost_model, bitwise, seed, fused_at_arithmetic, deadline,
+                            stopped)
+        if memo is not None and not stopped:
+            memo[key] = prepared
+    if isinstance(prepared, str):
+        return Solved(None, "", "block solve: " + prepared)
+    res, blocks, strategies, marks, base, sim_s = prepared
     never = never_reissued(graph, bitwise)
 
     def plan_of(choice: Sequence[int]) -> plan_lib.Plan:
@@ -181,13 +180,18 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
     seen: set[tuple[int, ...]] = set()
     rounds = 0
     step_status = ""
+    round_s = sim_s
     while rounds < ROUNDS:
-        if out_of_time(deadline, stopped,
+        if out_of_time(None if deadline is None else deadline - round_s, stopped,
                        f"the block-level solve stopped after {rounds} of {ROUNDS} rounds"):
             break
         rounds += 1
+        round_started = time.perf_counter()
         live = [b + c for b, c in zip(base, correction)]
-        choice, step_status = _step(blocks, strategies, marks, live, budget_bytes, seed)
+        choice, step_status = _step(blocks, strategies, marks, live, budget_bytes, seed,
+                                    deadline)
+        if step_status not in ("OPTIMAL", "INFEASIBLE"):
+            out_of_time(deadline, stopped, "the step model's solve was stopped by the clock")
         if choice is None:
             stopped.append(f"no choice of strategies fits the step model ({step_status})")
             break
@@ -204,6 +208,7 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
         freed = _freed(blocks, strategies, choice, marks)
         correction = [max(c, m - (b - f))
                       for c, m, b, f in zip(correction, measured, base, freed)]
+        round_s = time.perf_counter() - round_started
     optimal = all(s.optimal for ss in strategies.values() for s in ss)
     classes = len(strategies)
     note = (f"block solve: {len(blocks)} blocks of {classes} kind(s), "
@@ -216,6 +221,54 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
     return Solved(best.replace(notes=(note, *best.notes)), status, note)
 
 
+def _prepare(graph: MemGraph, cost_model: CostModel, bitwise: bool, seed: int,
+             fused_at_arithmetic: bool, deadline: float | None, stopped: list[str]
+             ) -> str | tuple[Residuals, list[_Block], dict[int, list[Strategy]],
+                              list[tuple[int, tuple[int, ...]]], list[int], float]:
+    """What :func:`solve` needs that does not depend on the budget: the residuals, the
+    blocks, each class's strategies, the windows and their bytes in the plan that keeps
+    everything, and the seconds that simulation took; or why there is nothing to solve.
+    ``stopped`` gets a note where ``deadline`` cut it short."""
+    res = find_residuals(graph, fused=fused_segments(graph, bitwise))
+    forward = [op for op in res.order if graph.ops[op].phase == "forward"]
+    cuts = forward_cuts(graph, res)
+    found = detect_blocks(graph, res, forward, cuts).found
+    if len(found) < 2:
+        return "no repeated blocks"
+    blocks = _blocks(graph, res, cost_model, forward, cuts, found, bitwise)
+    if not any(b.candidates for b in blocks):
+        return "no block has a residual it may re-issue"
+    strategies: dict[int, list[Strategy]] = {}
+    for b in blocks:
+        if b.klass not in strategies:
+            if out_of_time(deadline, stopped, "the block-level solve stopped before its "
+                                              "blocks were solved"):
+                return stopped[0]
+            strategies[b.klass] = block_strategies(graph, res, cost_model, b, seed,
+                                                   fused_at_arithmetic, deadline)
+            if not all(s.optimal for s in strategies[b.klass]) and out_of_time(
+                    deadline, stopped, "a block's strategies were cut short"):
+                return stopped[0]
+    marks = _marks(res, blocks)
+    simulated = time.perf_counter()
+    base = _window_live(graph, res, plan_lib.unplanned(graph), marks)
+    # a round simulates the step twice (its plan, then its windows)
+    return res, blocks, strategies, marks, base, 2 * (time.perf_counter() - simulated)
+
+
+def _cp_solver(seed: int, deterministic_s: float, deadline: float | None
+               ) -> cp_model.CpSolver:
+    """A one-worker CP-SAT solver: ``deterministic_s`` of deterministic time, stopped at
+    ``deadline`` (a ``time.perf_counter()`` value) by the wall clock if that comes first."""
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = seed
+    solver.parameters.max_deterministic_time = deterministic_s
+    if deadline is not None:
+        solver.parameters.max_time_in_seconds = max(0.01, deadline - time.perf_counter())
+    return solver
+
+
 def solve_reported(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
                    notes: list[str], options: PlannerOptions, deadline: float | None
                    ) -> Solved | None:
@@ -226,7 +279,7 @@ def solve_reported(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
         return None
     try:
         solved = solve(graph, budget_bytes, cost_model, bitwise=options.bitwise,
-                       seed=int(options.seed), deadline=deadline)
+                       seed=int(options.seed), deadline=deadline, memo=options.memo)
     except Exception as err:
         notes.append(f"block-level solve failed: {type(err).__name__}: {err}")
         logger.warning("the block-level solve failed (%s: %s); planning without it",
@@ -274,9 +327,11 @@ def _slots(graph: MemGraph, ops: Sequence[int], candidates: Sequence[int]
 
 
 def block_strategies(graph: MemGraph, res: Residuals, cost_model: CostModel, b: _Block,
-                     seed: int = 0, fused_at_arithmetic: bool = False) -> list[Strategy]:
+                     seed: int = 0, fused_at_arithmetic: bool = False,
+                     deadline: float | None = None) -> list[Strategy]:
     """The Pareto set of ``b``'s strategies: least recompute time for each cap on kept bytes
-    (:data:`CAPS` caps), by CP-SAT at full detail (module docstring, level 1)."""
+    (:data:`CAPS` caps), by CP-SAT at full detail (module docstring, level 1); a solve the
+    clock stops at ``deadline`` gives a strategy not marked optimal."""
     ops = b.ops
     in_block = set(ops)
     fused: set[int | None] = set()
@@ -318,10 +373,7 @@ def block_strategies(graph: MemGraph, res: Residuals, cost_model: CostModel, b: 
 
     def run(cap: int) -> Strategy | None:
         m, again, drop = model(cap)
-        solver = cp_model.CpSolver()
-        solver.parameters.num_workers = 1
-        solver.parameters.random_seed = seed
-        solver.parameters.max_deterministic_time = BLOCK_DETERMINISTIC_S
+        solver = _cp_solver(seed, BLOCK_DETERMINISTIC_S, deadline)
         st = solver.solve(m)
         if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return None
@@ -403,33 +455,47 @@ def _freed(blocks: Sequence[_Block], strategies: Mapping[int, list[Strategy]],
 
 def _step(blocks: Sequence[_Block], strategies: Mapping[int, list[Strategy]],
           marks: Sequence[tuple[int, tuple[int, ...]]], live: Sequence[int], limit_bytes: int,
-          seed: int) -> tuple[list[int] | None, str]:
+          seed: int, deadline: float | None = None) -> tuple[list[int] | None, str]:
     """One strategy per block, least total recompute time, every window's ``live`` bytes
     less what the strategies free in it within ``limit_bytes`` (module docstring, level 2);
-    None with CP-SAT's status when no choice is."""
+    None with CP-SAT's status when no choice is. CP-SAT stops at ``deadline``."""
     m = cp_model.CpModel()
     pick = [[m.new_bool_var(f"b{k}s{s}") for s in range(len(strategies[b.klass]))]
             for k, b in enumerate(blocks)]
     saved = []
+    most = []
     for k, b in enumerate(blocks):
         m.add_exactly_one(pick[k])
         full = strategies[b.klass][0].kept_bytes
+        most.append(max((full - s.kept_bytes) // _KIB for s in strategies[b.klass]))
         saved.append(sum(((full - s.kept_bytes) // _KIB) * v
                          for s, v in zip(strategies[b.klass], pick[k])))
-    for (_, held), nbytes in zip(marks, live):
+    over: list[set[int]] = [set() for _ in blocks]  # block -> the windows over it counts in
+    for w, ((_, held), nbytes) in enumerate(zip(marks, live)):
         excess = (nbytes - limit_bytes + _KIB - 1) // _KIB
         if excess <= 0:
             continue
         if not held:
             return None, "INFEASIBLE (a window no block's strategy lowers is over)"
+        if sum(most[k] for k in held) < excess:  # CP-SAT took seconds to prove this
+            return None, "INFEASIBLE (a window is over with every block saving its most)"
         m.add(sum(saved[k] for k in held) >= excess)
+        for k in held:
+            over[k].add(w)
+    # Symmetry: two blocks of a class cost the same for the same strategy, so where one
+    # counts in every window over the budget the other does, swapping their strategies
+    # keeps a choice feasible and as fast: let the first save at least as much. Without
+    # this CP-SAT spent its 4 deterministic seconds on 16 identical layers unproven.
+    for j, bj in enumerate(blocks):
+        for k in range(j + 1, len(blocks)):
+            if blocks[k].klass == bj.klass and over[k] <= over[j]:
+                m.add(saved[j] >= saved[k])
+            elif blocks[k].klass == bj.klass and over[j] < over[k]:
+                m.add(saved[k] >= saved[j])
     ticks = sum(round(s.time_s / _TICK_S) * v for b, row in zip(blocks, pick)
                 for s, v in zip(strategies[b.klass], row))
     m.minimize(ticks)
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = seed
-    solver.parameters.max_deterministic_time = STEP_DETERMINISTIC_S
+    solver = _cp_solver(seed, STEP_DETERMINISTIC_S, deadline)
     st = solver.solve(m)
     name = solver.status_name(st)
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

@@ -35,8 +35,10 @@ How it runs, within ``time_limit_s``:
    took back); repairs stop after another 15% (on a 7,000-op step they took minutes). The
    plans that do not depend on the budget are kept in ``memo`` for the verify loop's
    re-plans.
-   With ``block_solve``, the step solved over its repeated layers (:mod:`._block_solve`)
-   follows within a fifth of the limit: a plan of the solver's own, as step 3's is.
+   Then the step solved over its repeated layers (:mod:`._block_solve`, option
+   ``block_solve``, on by default) follows within a fifth of the limit: a plan of the
+   solver's own, as step 3's is. What it solves that the budget does not change (each
+   layer's strategies) is kept in ``memo`` too, so a re-plan solves only the step model.
 2. **Fixed order.** The order of the warm start is kept and CP-SAT decides
    remat and offload (fast; often proven optimal for that order).
 3. **Joint.** With ``allow_reorder``, the full model is solved, hinted with the
@@ -174,8 +176,8 @@ class CpsatOptions(PlannerOptions):
       deterministic_time_s: CP-SAT's deterministic time for steps 2 and 3 together
         (``None``: half of ``time_limit_s``).
       tie_blocks: equal decisions for items at the same place of repeated layers.
-      block_solve: solve the step over its repeated layers too (step 1; off by default:
-        its plans win by the planners' estimate and not yet by the compiled roofline).
+      block_solve: solve the step over its repeated layers too (step 1; with
+        ``allow_remat``).
       search_share: share of ``time_limit_s`` the searches among the heuristics have of
         their own, which the fixed plans before them cannot spend (0: none; the searches
         share what is left of the heuristics' half; :mod:`._cpsat_heuristics`).
@@ -195,7 +197,7 @@ class CpsatOptions(PlannerOptions):
     deterministic: bool = True
     deterministic_time_s: float | None = None
     tie_blocks: bool = False
-    block_solve: bool = False
+    block_solve: bool = True
     search_share: float = 0.0
     min_decision_bytes: int | None = None
     # one simulation each first (their plans do not depend on the budget: a re-plan of

@@ -4,6 +4,8 @@ plan judged by the simulator and keeping the plain step's bits."""
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,9 +123,67 @@ def test_cpsat_scores_the_block_plan_and_keeps_it_as_its_own():
         assert plan.status == "fallback" and "block-level solve" in plan.fallback_reason
 
 
-@pytest.mark.parametrize("options", [{"allow_remat": False, "block_solve": True}, {}])
-def test_cpsat_runs_no_block_solve_without_remat_or_by_default(options):
+@pytest.mark.parametrize("options", [{"allow_remat": False}, {"block_solve": False}])
+def test_cpsat_runs_no_block_solve_without_remat_or_when_told(options):
     _, _, g = _step()
     plan = registry.get("cpsat").fn(g, int(_peak(g) * 0.9), CPU, {"time_limit_s": 5, **options})
     assert not any(n.startswith("block solve") for n in plan.notes)
     assert not any(c.name == _block_solve.NAME for c in plan.candidates)
+
+
+def test_cpsat_runs_the_block_solve_by_default_and_a_replan_reuses_its_strategies(monkeypatch):
+    _, _, g = _step()
+    solved = []
+    real = _block_solve.block_strategies
+    monkeypatch.setattr(_block_solve, "block_strategies",
+                        lambda *a, **k: solved.append(1) or real(*a, **k))
+    memo: dict = {}
+    for fraction in (0.8, 0.7):
+        plan = registry.get("cpsat").fn(g, int(_peak(g) * fraction), CPU,
+                                        {"time_limit_s": 10, "memo": memo})
+        assert any(c.name == _block_solve.NAME for c in plan.candidates), plan.notes
+    # one class of layers, solved in the first call only
+    assert len(solved) == 1
+
+
+def test_the_block_solve_stops_at_its_deadline_and_says_so():
+    _, _, g = _step()
+    solved = _block_solve.solve(g, int(_peak(g) * 0.7), CPU, deadline=0.0)
+    assert solved.plan is None and "time limit reached" in solved.note
+
+
+def _brute_force(blocks, strategies, marks, live, limit):
+    """The least total time of a choice within ``limit`` in every window, by enumeration."""
+    best = None
+    for choice in itertools.product(*(range(len(strategies[b.klass])) for b in blocks)):
+        freed = _block_solve._freed(blocks, strategies, choice, marks)
+        if all(n - f <= limit for n, f in zip(live, freed)):
+            t = sum(strategies[b.klass][s].time_s for b, s in zip(blocks, choice))
+            best = t if best is None else min(best, t)
+    return best
+
+
+@pytest.mark.parametrize("limit_mib", [70, 45, 40, 20])
+def test_the_step_model_finds_the_fastest_choice_of_identical_layers(limit_mib):
+    # six layers of one kind and one of another, each layer's residuals held from its
+    # forward window to its backward window (nested, as in a step): the step model, with
+    # its symmetry breaking, must find what enumeration finds
+    mib = 1 << 20
+    blocks = [_block_solve._Block((), (), 0) for _ in range(6)] + [_block_solve._Block((), (), 1)]
+    s = _block_solve.Strategy
+    strategies = {0: [s((), 12 * mib, 0.0, True), s((0,), 7 * mib, 1.0, True),
+                      s((0, 1), 2 * mib, 2.5, True)],
+                  1: [s((), 20 * mib, 0.0, True), s((0,), 4 * mib, 3.0, True)]}
+    n = len(blocks)
+    marks = [(0, tuple(range(k + 1))) for k in range(n)]          # forward windows
+    marks += [(0, tuple(range(k + 1))) for k in reversed(range(n))]  # backward windows
+    # the windows of few layers bind: there the first layers must save the most
+    live = [40 * mib + 6 * mib * len(held) for _, held in marks]
+    limit = limit_mib * mib
+    want = _brute_force(blocks, strategies, marks, live, limit)
+    choice, status = _block_solve._step(blocks, strategies, marks, live, limit, seed=0)
+    if want is None:
+        assert choice is None and status.startswith("INFEASIBLE")
+        return
+    assert status == "OPTIMAL" and choice is not None
+    assert sum(strategies[b.klass][c].time_s for b, c in zip(blocks, choice)) == pytest.approx(want)

@@ -422,9 +422,10 @@ def test_over_budget_and_fallback_are_reported():
     assert any("more than the budget" in n for n in tiny.notes)
     assert tiny.predicted_peak_bytes == plan_lib.simulate_plan(g, tiny).peak_bytes
     # one coarse node holds every buffer at once: the model cannot fit below the program
-    # order's peak, so a heuristic plan that does is returned as a fallback
+    # order's peak, so (without the block-level solve, whose plan is the solver's own too) a
+    # heuristic plan that does is returned as a fallback
     budget = unplanned_peak(g) * 9 // 10
-    planned = plan_cpsat(g, budget, H100, dict(FAST, max_nodes=1))
+    planned = plan_cpsat(g, budget, H100, dict(FAST, max_nodes=1, block_solve=False))
     assert planned.status == "fallback" and "no schedule" in planned.fallback_reason
     assert planned.predicted_peak_bytes <= budget
     assert planned.lower_bound is None and planned.gap is None
@@ -649,7 +650,7 @@ def test_the_heuristics_share_the_time_limit_and_those_not_reached_are_named(mon
     [skipped] = [n for n in plan.notes if n.startswith("heuristics skipped")]
     assert "'blocks', 'blocks:dots'," in skipped and "'greedy'" in skipped
     assert "may not repeat exactly" in skipped
-    own = ("cpsat", "program order")
+    own = ("cpsat", "cpsat:blocks", "program order")
     assert [c.name for c in plan.candidates if c.name not in own] == list(given)
     roomy = plan_cpsat(g, budget, H100, FAST)
     assert not any(n.startswith("heuristics skipped") for n in roomy.notes)
