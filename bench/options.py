@@ -208,7 +208,7 @@ def parser() -> argparse.ArgumentParser:
                    help="an option for one planner, passed as jaxmem.Config(options={KEY: "
                         "VALUE}); VALUE is read as JSON (true, 2, 0.5), else as a string; "
                         "repeatable; records carry planner_options (e.g. "
-                        "cpsat:block_solve=true)")
+                        "cpsat:block_solve=false)")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip the Pareto plot")
     p.add_argument("--sweep", action="store_true",
                    help="instead of --budgets: sweep each planner's budget from the unplanned "
@@ -230,7 +230,7 @@ def _planner_option(text: str) -> tuple[str, str, Any]:
     key, eq, raw = setting.partition("=")
     if not (planner and key and eq):
         raise ValueError(f"--planner-option takes PLANNER:KEY=VALUE "
-                         f"(e.g. cpsat:block_solve=true); got {text!r}")
+                         f"(e.g. cpsat:block_solve=false); got {text!r}")
     try:
         value = json.loads(raw)
     except ValueError:
