@@ -477,7 +477,7 @@ def _step(blocks: Sequence[_Block], strategies: Mapping[int, list[Strategy]],
             continue
         if not held:
             return None, "INFEASIBLE (a window no block's strategy lowers is over)"
-        if sum(most[k] for k in held) < excess:  # CP-SAT took seconds to prove this
+        if sum(most[k] for k in held) < excess:  # CP-SAT takes seconds to prove this
             return None, "INFEASIBLE (a window is over with every block saving its most)"
         m.add(sum(saved[k] for k in held) >= excess)
         for k in held:
@@ -485,7 +485,7 @@ def _step(blocks: Sequence[_Block], strategies: Mapping[int, list[Strategy]],
     # Symmetry: two blocks of a class cost the same for the same strategy, so where one
     # counts in every window over the budget the other does, swapping their strategies
     # keeps a choice feasible and as fast: let the first save at least as much. Without
-    # this CP-SAT spent its 4 deterministic seconds on 16 identical layers unproven.
+    # it CP-SAT spends its deterministic seconds on Llama's 16 identical layers unproven.
     for j, bj in enumerate(blocks):
         for k in range(j + 1, len(blocks)):
             if blocks[k].klass == bj.klass and over[k] <= over[j]:
