@@ -605,6 +605,34 @@ def test_the_solvers_plan_handed_over_as_an_alternative_keeps_its_status_and_bou
     assert theirs.lower_bound is None and theirs.gap is None
 
 
+def test_the_solvers_plans_take_no_compile_from_the_heuristics_plans():
+    """The verify loop compiles the fastest heuristic plans (the chosen one and two
+    alternatives) whether or not a solver's plan ranks above them; the solvers' own close
+    plans come on top, and nothing beyond the estimate's tolerance goes."""
+    from jaxmem.planners._cpsat_heuristics import Scored as _Scored
+    from jaxmem.planners.cpsat import _ALTERNATIVE_RTOL, _ALTERNATIVES, _alternatives
+
+    def cand(name, t):
+        plan = plan_lib.Plan(order=(), remat={hash(name): 1}, offload={}, placement={},
+                             planner=name, budget_bytes=0, predicted_peak_bytes=50,
+                             predicted_time_s=t)
+        return _Scored(name=name, plan=plan, peak_bytes=50, time_s=t)
+
+    blocks, solver = cand("cpsat:blocks", 1.0), cand("cpsat", 1.025)
+    h1, h2, h3, h4 = (cand(n, t) for n, t in (("greedy", 1.01), ("chen", 1.02),
+                                              ("blocks", 1.03), ("keep_matmuls_fit", 1.04)))
+    far = cand("keep_matmuls_fit:whole_group", 1.0 * (1 + 2 * _ALTERNATIVE_RTOL))
+    own = [(blocks, None, None, "OPTIMAL"), (solver, 0.9, 0.1, "FEASIBLE")]
+    fits = [blocks, solver, far, h4, h3, h2, h1]
+    assert _ALTERNATIVES == 2
+    # the block plan chosen: the three fastest heuristic plans, the solver's among them
+    sources = [a.source for a in _alternatives(blocks, fits, 100, 0.0, [], (), own)]
+    assert sources == ["greedy", "chen", "cpsat", "blocks"]
+    # a heuristic's plan chosen: two more heuristic plans, the solvers' on top
+    sources = [a.source for a in _alternatives(h1, fits, 100, 0.0, [], (), own)]
+    assert sources == ["cpsat:blocks", "chen", "cpsat", "blocks"]
+
+
 def _slow_fixed_plans(monkeypatch, g, budget, options, fixed_s=0.2, limit_s=1.0):
     """``plan_cpsat`` on a fake clock that stands still but for the fixed plans
     (``fixed_s`` each), and the time limit each heuristic was given, in the order they
