@@ -71,8 +71,9 @@ How it runs, within ``time_limit_s``:
    ``FALLBACK``, with ``Plan.fallback_reason``). Nothing fits: ``OVER_BUDGET``.
    ``Plan.source`` names the candidate kept, ``Plan.candidates`` every candidate
    scored, ``Plan.solver_status`` CP-SAT's status when the solver's plan is kept.
-   Up to two other fitting candidates within 10% of its estimate go along as
-   ``Plan.alternatives``: the estimate is on the jaxpr, so the verify loop of
+   Other fitting candidates within 10% of its estimate go along as
+   ``Plan.alternatives`` (the fastest heuristic plans, two besides the returned plan, and
+   the solvers' own plans on top): the estimate is on the jaxpr, so the verify loop of
    :func:`jaxmem.optimize` compiles them and keeps the fastest by compiled time. When
    the verify loop re-plans under a tightened budget (``verify_budget_bytes`` is the
    budget as given), the fastest candidate that fits the budget as given under the
