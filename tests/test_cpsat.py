@@ -606,16 +606,19 @@ def test_the_solvers_plan_handed_over_as_an_alternative_keeps_its_status_and_bou
 
 
 def test_the_solvers_plans_take_no_compile_from_the_heuristics_plans():
-    """The verify loop compiles the fastest heuristic plans (the chosen one and two
-    alternatives) whether or not a solver's plan ranks above them; the solvers' own close
-    plans come on top, and nothing beyond the estimate's tolerance goes."""
+    """The verify loop compiles the three fastest heuristic plans (the chosen one and two
+    alternatives, or three alternatives beside a solver's chosen plan) whether or not a
+    solver's plan ranks above them; the solvers' own close plans come on top, and nothing
+    beyond the estimate's tolerance goes."""
+    import zlib
+
     from jaxmem.planners._cpsat_heuristics import Scored as _Scored
     from jaxmem.planners.cpsat import _ALTERNATIVE_RTOL, _ALTERNATIVES, _alternatives
 
     def cand(name, t):
-        plan = plan_lib.Plan(order=(), remat={hash(name): 1}, offload={}, placement={},
-                             planner=name, budget_bytes=0, predicted_peak_bytes=50,
-                             predicted_time_s=t)
+        plan = plan_lib.Plan(order=(), remat={zlib.crc32(name.encode()): 1}, offload={},
+                             placement={}, planner=name, budget_bytes=0,
+                             predicted_peak_bytes=50, predicted_time_s=t)
         return _Scored(name=name, plan=plan, peak_bytes=50, time_s=t)
 
     blocks, solver = cand("cpsat:blocks", 1.0), cand("cpsat", 1.025)
