@@ -542,11 +542,12 @@ def _alternatives(best: Scored, fits: list[Scored], budget_bytes: int, started: 
     ``"fallback"``."""
     seen = {best.plan.decisions()}
     out = []
-    heuristic_slots = _ALTERNATIVES + any(best is o[0] for o in own)
+    owned = {id(o[0]): o for o in own}
+    heuristic_slots = _ALTERNATIVES + (id(best) in owned)
 
     def add(s: Scored, why: str) -> None:
         seen.add(s.plan.decisions())
-        mine = next((o for o in own if o[0] is s), None)
+        mine = owned.get(id(s))
         if mine is not None:
             status, lower, gap, solver_status = ("ok", *mine[1:])
         else:
@@ -564,7 +565,7 @@ def _alternatives(best: Scored, fits: list[Scored], budget_bytes: int, started: 
     for s in sorted(fits, key=lambda s: (s.time_s, s.peak_bytes)):
         if s.plan.decisions() in seen or s.time_s > best.time_s * (1 + _ALTERNATIVE_RTOL):
             continue
-        if any(s is o[0] for o in own):
+        if id(s) in owned:
             add(s, "")
         elif heuristic_slots:
             heuristic_slots -= 1

@@ -18,6 +18,7 @@ import dataclasses
 import heapq
 import itertools
 import random
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -554,17 +555,23 @@ def test_a_replan_hands_over_a_candidate_that_fits_the_budget_as_given():
     assert loose[0].decisions() != plan.decisions()
 
 
+def _candidate(name, peak, t, offload=False):
+    """A scored candidate for the choice among plans: its decisions are its own (a recompute
+    keyed by its name), its peak and estimate as given."""
+    from jaxmem.planners._cpsat_heuristics import Scored
+
+    plan = plan_lib.Plan(order=(), remat={zlib.crc32(name.encode()): 1},
+                         offload={0: 1} if offload else {}, placement={}, planner=name,
+                         budget_bytes=0, predicted_peak_bytes=peak, predicted_time_s=t)
+    return Scored(name=name, plan=plan, peak_bytes=peak, time_s=t)
+
+
 def test_loose_candidates_are_chosen_by_the_rule_the_docstring_gives():
     """Within the budget as given: the fastest; else, when nothing fits, the lowest peak
     within 20% over it; else one estimated faster than the chosen plan within 10%."""
-    from jaxmem.planners._cpsat_heuristics import Scored as _Scored
     from jaxmem.planners.cpsat import _loose
 
-    def cand(name, peak, t, offload=False):
-        plan = plan_lib.Plan(order=(), remat={}, offload={0: 1} if offload else {}, placement={},
-                             planner=name, budget_bytes=0, predicted_peak_bytes=peak,
-                             predicted_time_s=t)
-        return _Scored(name=name, plan=plan, peak_bytes=peak, time_s=t)
+    cand = _candidate
 
     def loose(pool, budget, given, nothing_fits, best_time_s=1.0):
         return [s for s, _ in _loose(pool, budget, given, nothing_fits, best_time_s)]
@@ -586,14 +593,9 @@ def test_the_solvers_plan_handed_over_as_an_alternative_keeps_its_status_and_bou
     """When a heuristic's plan ranks first, the solver's close plan still goes to the verify
     loop; if the compile keeps it, it is the solver's plan (status ok, with its bound and
     gap), not a fallback."""
-    from jaxmem.planners._cpsat_heuristics import Scored as _Scored
     from jaxmem.planners.cpsat import _alternatives
 
-    def cand(name, peak, t):
-        plan = plan_lib.Plan(order=(), remat={len(name): 1}, offload={}, placement={},
-                             planner=name, budget_bytes=0, predicted_peak_bytes=peak,
-                             predicted_time_s=t)
-        return _Scored(name=name, plan=plan, peak_bytes=peak, time_s=t)
+    cand = _candidate
 
     best, solver, other = cand("greedy", 90, 1.0), cand("cpsat", 80, 1.004), cand("chen", 70, 1.006)
     mine, theirs = _alternatives(best, [best, solver, other], 100, 0.0, [], (),
@@ -610,16 +612,10 @@ def test_the_solvers_plans_take_no_compile_from_the_heuristics_plans():
     alternatives, or three alternatives beside a solver's chosen plan) whether or not a
     solver's plan ranks above them; the solvers' own close plans come on top, and nothing
     beyond the estimate's tolerance goes."""
-    import zlib
-
-    from jaxmem.planners._cpsat_heuristics import Scored as _Scored
     from jaxmem.planners.cpsat import _ALTERNATIVE_RTOL, _ALTERNATIVES, _alternatives
 
     def cand(name, t):
-        plan = plan_lib.Plan(order=(), remat={zlib.crc32(name.encode()): 1}, offload={},
-                             placement={}, planner=name, budget_bytes=0,
-                             predicted_peak_bytes=50, predicted_time_s=t)
-        return _Scored(name=name, plan=plan, peak_bytes=50, time_s=t)
+        return _candidate(name, 50, t)
 
     blocks, solver = cand("cpsat:blocks", 1.0), cand("cpsat", 1.025)
     h1, h2, h3, h4 = (cand(n, t) for n, t in (("greedy", 1.01), ("chen", 1.02),
