@@ -53,7 +53,6 @@ from ortools.sat.python import cp_model
 
 from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
-from jaxmem.planners._estimate import reissue_time_s
 from jaxmem.planners._options import PlannerOptions
 from jaxmem.planners._principles import made_exact, never_reissued
 from jaxmem.planners._repeats import signatures
@@ -342,7 +341,7 @@ def block_strategies(graph: MemGraph, res: Residuals, cost_model: CostModel, b: 
         fused = {ev.op for ev in schedule.build_schedule(graph, plan).events
                  if ev.kind == "fused"}
     op_s = [cost_model.graph_op_compute_s(graph, op) if op in fused
-            else reissue_time_s(graph, cost_model, op) for op in ops]
+            else cost_model.graph_op_time_s(graph, op) for op in ops]
     index = {op: i for i, op in enumerate(ops)}
     size = [max(1, graph.tensors[t].bytes // _KIB) for t in b.candidates]
     full = sum(size)

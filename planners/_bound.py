@@ -40,7 +40,6 @@ from ortools.linear_solver import pywraplp
 from jaxmem.analysis import simulate as sim_lib
 from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
-from jaxmem.planners._estimate import reissue_time_s
 from jaxmem.plans import plan as plan_lib
 
 # How many moments of the step as written are cuts: half the fullest (by live bytes),
@@ -124,7 +123,7 @@ def time_bound(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
     def reissue_s(t: int) -> float | None:
         p = v.producer[t]
         ok = allow_remat and p is not None and v.reissuable[p] and t not in never_reissued
-        return reissue_time_s(graph, cost_model, p) if ok else None  # type: ignore[arg-type]
+        return cost_model.graph_op_time_s(graph, p) if ok else None  # type: ignore[arg-type]
 
     link = min(cost_model.d2h_bytes_per_s, cost_model.h2d_bytes_per_s)
     host = math.inf if host_budget_bytes is None else float(host_budget_bytes)

@@ -27,7 +27,6 @@ from typing import Iterable
 
 from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
-from jaxmem.planners._estimate import reissue_time_s
 from jaxmem.plans import plan as plan_lib
 
 # Residuals smaller than this are not copied: a copy has a fixed cost the link model
@@ -61,8 +60,6 @@ def timeline(graph: MemGraph, plan: plan_lib.Plan, cost_model: CostModel
                     first_read.setdefault(r, clock)
         if ev.kind == "fused":
             clock += cost_model.graph_op_compute_s(graph, ev.op)
-        elif ev.kind == "remat":
-            clock += reissue_time_s(graph, cost_model, ev.op)
         else:
             clock += cost_model.graph_op_time_s(graph, ev.op)
         if ev.kind == "op":

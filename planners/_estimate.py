@@ -7,40 +7,16 @@ registry applies, can use it without importing the registry back.
 
 from __future__ import annotations
 
-from jaxmem.analysis.memgraph import MemGraph, per_graph
+from jaxmem.analysis.memgraph import MemGraph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.plans import placement as placement_lib, plan as plan_lib
-
-
-@per_graph
-def fused_input_bytes(graph: MemGraph) -> tuple[int, ...]:
-    """Per op, the bytes of the buffers it reads through fused inputs: those its fused
-    inputs are computed from, less the buffers it reads directly.
-
-    In the step as written each op is priced by its own buffers. A re-issue reads its
-    fused inputs' buffers again, where the step as written read them once: a softmax's
-    probabilities re-issued after dropout read the scores again (XLA computes the
-    exponential again from them, in GPT-2's backward pass writing it once more)."""
-    v = plan_lib.view(graph)
-    out = []
-    for op in range(v.n_ops):
-        direct = {t for t in v.in_slots[op] if t is not None and v.materialized[t]}
-        out.append(sum(v.bytes[b] for b in v.buffer_reads[op] if b not in direct))
-    return tuple(out)
-
-
-def reissue_time_s(graph: MemGraph, cost_model: CostModel, op: int) -> float:
-    """Time of a re-issue of ``op``: its roofline time with the buffers it reads through
-    fused inputs (:func:`fused_input_bytes`)."""
-    return cost_model.graph_op_time_s(graph, op, extra_bytes=fused_input_bytes(graph)[op])
 
 
 def estimate_time_s(graph: MemGraph, plan: plan_lib.Plan, cost_model: CostModel,
                     schedule: plan_lib.Schedule | None = None) -> float:
     """Estimated step time of ``plan``: its events on one compute stream and two copy streams.
 
-    Ops and re-issues run one after another at roofline speed, a re-issue with the
-    buffers it reads through fused inputs (:func:`reissue_time_s`). A fused re-issue moves
+    Ops and re-issues run one after another at roofline speed. A fused re-issue moves
     no bytes of its own (XLA recomputes it inside its readers) but does its arithmetic
     again: negligible for most elementwise ops, not for hashing random bits (a dropout
     mask, about 113 integer ops per element). A
@@ -64,10 +40,8 @@ def estimate_time_s(graph: MemGraph, plan: plan_lib.Plan, cost_model: CostModel,
     on_host: dict[int, float] = {}
     for ev in sched.events:
         wait = max([clock] + [ready.get(r, 0.0) for r in ev.reads if r is not None])
-        if ev.kind == "op":
+        if ev.kind in ("op", "remat"):
             clock = wait + cost_model.graph_op_time_s(graph, ev.op)  # type: ignore[arg-type]
-        elif ev.kind == "remat":
-            clock = wait + reissue_time_s(graph, cost_model, ev.op)  # type: ignore[arg-type]
         elif ev.kind == "fused":
             compute = cost_model.graph_op_compute_s(graph, ev.op)  # type: ignore[arg-type]
             clock += compute

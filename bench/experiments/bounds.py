@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import jaxmem.planners as registry
-    from jaxmem.planners._estimate import estimate_time_s, reissue_time_s
+    from jaxmem.planners._estimate import estimate_time_s
     from jaxmem.plans import plan as plan_lib
 
     _, graph, cost_model = train_graph(args.model, args.size, args.target)
@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spent: collections.Counter[str] = collections.Counter()
         for ev in plan_lib.build_schedule(graph, last).events:
             if ev.kind == "remat":
-                spent[graph.ops[ev.op].primitive] += reissue_time_s(graph, cost_model, ev.op)
+                spent[graph.ops[ev.op].primitive] += cost_model.graph_op_time_s(graph, ev.op)
             elif ev.kind == "fused":
                 spent["fused " + graph.ops[ev.op].primitive] += cost_model.graph_op_compute_s(
                     graph, ev.op)

@@ -278,22 +278,17 @@ class CostModel:
             times.check(graph)
         return dataclasses.replace(self, op_times=times)
 
-    def graph_op_time_s(self, graph: Any, op: int, dtype: Any = None,
-                        extra_bytes: float = 0.0) -> float:
+    def graph_op_time_s(self, graph: Any, op: int, dtype: Any = None) -> float:
         """Time of op ``op`` of ``graph``: its measured time when the model carries
         :attr:`op_times`, otherwise its roofline time in ``dtype``, by default the
         dtype of its first floating-point input. Elementwise arithmetic and random bits
         run at the vector rate, as :meth:`instruction_time_s` prices a compiled instruction
-        (it decides the time of a compute-bound one, such as hashing random bits).
-        ``extra_bytes``: bytes it moves besides its own buffers (a re-issue reading the
-        buffers a fused input is computed from), at HBM bandwidth."""
-        extra_s = extra_bytes / self.hbm_bytes_per_s
+        (it decides the time of a compute-bound one, such as hashing random bits)."""
         if self.op_times is not None:
-            return self.op_times.times_s[op] + extra_s
+            return self.op_times.times_s[op]
         o = graph.ops[op]
-        moved = o.bytes_accessed + extra_bytes
         if o.primitive in mat.ELEMENTWISE or o.primitive in mat.RNG:
-            return max(self.graph_op_compute_s(graph, op), moved / self.hbm_bytes_per_s)
+            return max(self.graph_op_compute_s(graph, op), o.bytes_accessed / self.hbm_bytes_per_s)
         if dtype is None:
             dtype = "float32"
             for t in o.inputs:
@@ -301,7 +296,7 @@ class CostModel:
                 if isinstance(dt, np.dtype) and np.issubdtype(dt, np.floating):
                     dtype = dt.name
                     break
-        return self.op_time_s(o.flops, moved, dtype)
+        return self.op_time_s(o.flops, o.bytes_accessed, dtype)
 
     def graph_op_compute_s(self, graph: Any, op: int) -> float:
         """Arithmetic time alone of elementwise op ``op`` of ``graph`` (a fused value XLA
