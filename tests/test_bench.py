@@ -403,3 +403,31 @@ def test_free_copies_compiles_the_plan_with_copies_again_with_a_latency_profile(
             if line.startswith("| 0.1 |")]
     assert [r[1] for r in rows] == ["none", "free", "free, profiled"]
     assert rows[1][6] == rows[2][6]  # compiled host MiB
+
+
+def test_reissue_pricing_prices_the_estimate_and_its_two_alternatives(capsys):
+    """``bench.experiments.reissue_pricing``: its first pricing is the planners' estimate;
+    counting the buffers fused inputs read adds to it, once per point no more than per
+    re-issue; the unplanned step is priced alike by all four; and it compares each with
+    the compiled change."""
+    import jaxmem.planners as registry
+    from bench.experiments import reissue_pricing, train_graph
+    from jaxmem.planners._estimate import estimate_time_s
+    from jaxmem.plans import plan as plan_lib
+
+    _, graph, cost_model = train_graph("gpt2", "tiny", "h100")
+    plan = registry.get("keep_matmuls").fn(graph, 1, cost_model, {})
+    assert plan.remat and not plan.offload
+    own, with_fused, once, chains = reissue_pricing.reissue_clocks(graph, plan, cost_model)
+    assert own == pytest.approx(estimate_time_s(graph, plan, cost_model), rel=1e-12)
+    assert own < once <= with_fused * (1 + 1e-9)  # its softmax re-issues read the scores
+    plain = reissue_pricing.reissue_clocks(graph, plan_lib.unplanned(graph), cost_model)
+    assert plain[0] == plain[1] == plain[2] == pytest.approx(plain[3], rel=1e-12)
+    assert chains != own  # its elementwise re-issues are priced as chains
+
+    assert reissue_pricing.agreement([1.0, 2.0, 3.0], [0.5, 0.7, 0.6]) == pytest.approx(2 / 3)
+    assert reissue_pricing.main(["mlp", "0.5", "keep_matmuls,blocks", "--size", "tiny"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("| `") for line in out) == 2
+    assert [line.split(":")[0] for line in out if "mean error" in line] == list(
+        reissue_pricing.PRICINGS)
