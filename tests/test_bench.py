@@ -405,7 +405,7 @@ def test_free_copies_compiles_the_plan_with_copies_again_with_a_latency_profile(
     assert rows[1][6] == rows[2][6]  # compiled host MiB
 
 
-def test_reissue_pricing_prices_the_estimate_and_its_two_alternatives(capsys):
+def test_reissue_pricing_prices_the_estimate_and_its_alternatives(capsys):
     """``bench.experiments.reissue_pricing``: its first pricing is the planners' estimate;
     counting the buffers fused inputs read adds to it, once per point no more than per
     re-issue; the unplanned step is priced alike by all four; and it compares each with

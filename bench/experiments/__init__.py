@@ -27,8 +27,8 @@ and prints its own table. Run one from the repository root as
 * ``qlearn_curves OUT FRACTION MODEL...``: the ``qlearn`` planner's reward per episode on zoo
   steps, plotted to ``OUT/qlearn_rewards.png``.
 * ``reissue_pricing MODEL FRACTION PLANS [--size S]``: what each plan adds to the step's
-  time with re-issues priced three ways (the estimate's, and counting the buffers fused
-  inputs read), against the compiled roofline: each pricing's error and ranking.
+  time with re-issues priced four ways (the estimate's, and three that count the buffers
+  fused inputs read), against the compiled roofline: each pricing's error and ranking.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Plans the zoo model's train step (``--size``, ``bench`` by default; ``h100``) at
 of the unplanned step's simulated peak with each of ``PLANS`` (comma-separated planners of
 the registry, ``blocks:dots`` for ``blocks`` with ``save="dots"``; the searches run for
 ``--time-limit`` seconds), compiles each, and prints what each plan adds to the step's time
-over the unplanned step, three ways besides the compiled roofline:
+over the unplanned step, four ways besides the compiled roofline:
 
 - *own buffers*: the planners' estimate (``estimate_time_s``): a re-issue at the roofline
   time of the buffers it reads and writes itself; a fused input moves no bytes;
@@ -23,7 +23,7 @@ over the unplanned step, three ways besides the compiled roofline:
 Then each pricing's mean error against the compiled change, and the share of pairs of plans
 it orders as the compiled roofline does (the verify loop compiles only the plans the
 estimate ranks near the best). Compile-only: every time is an estimate. Host copies are left
-out of the three clocks (a copy's time is the link's under every pricing); a plan with copies
+out of the four clocks (a copy's time is the link's under every pricing); a plan with copies
 is marked. Example::
 
     JAX_PLATFORMS=cpu python -m bench.experiments.reissue_pricing gpt2 0.6 \\
