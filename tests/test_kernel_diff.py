@@ -35,3 +35,10 @@ def test_main_prints_each_plans_changed_kernels_and_they_add_up(capsys):
     assert found, out
     assert float(found.group(1)) == pytest.approx(float(found.group(2)), abs=2e-3)
     assert "| count | kernel | MiB | MFLOP | ms each | ms |" in out
+
+
+def test_main_takes_the_fixed_plans_and_blocks_with_a_save_choice(capsys):
+    assert kernel_diff.main(["mlp", "0.8", "keep_matmuls,blocks:dots", "--size", "tiny"]) == 0
+    out = capsys.readouterr().out
+    for name in ("keep_matmuls", "blocks:dots"):
+        assert re.search(rf"\n{name}: (estimate [-+][\d.]+ ms|no plan fits)", out), out

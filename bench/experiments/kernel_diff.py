@@ -4,7 +4,8 @@
 
 Plans the zoo model's train step (``--size``, ``bench`` by default; ``h100``) at a fraction
 of the unplanned step's simulated peak with each of ``PLANS`` (comma-separated: a planner of
-the registry, run for 30 s, or ``block_solve``, the block-level solve of ``cpsat``), emits and
+the registry, a search run for 30 s, ``blocks:dots`` for ``blocks`` with ``save="dots"``, or
+``block_solve``, the block-level solve of ``cpsat``), emits and
 compiles each, and compares its compiled kernels with the unplanned step's. A kernel's
 signature is its name without XLA's number, its bytes and its FLOPs: the rows are the
 signatures whose count changed, with the roofline time each adds or saves, so the sum of the
@@ -24,6 +25,7 @@ import sys
 from typing import Any
 
 from bench.experiments import train_graph
+from bench.experiments.reissue_pricing import SEARCHES
 
 _MiB = 1 << 20
 # A kernel's signature: its name less XLA's number, MiB moved, MFLOP done.
@@ -92,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         if name == "block_solve":
             plan = _block_solve.solve(g, budget, cost).plan
         else:
-            plan = registry.get(name).fn(g, budget, cost, {"time_limit_s": 30})
+            planner, _, save = name.partition(":")
+            opts: dict[str, Any] = {"save": save} if save else {}
+            if planner in SEARCHES:
+                opts["time_limit_s"] = 30
+            plan = registry.get(planner).fn(g, budget, cost, opts)
         if plan is None or plan.status == "over_budget":
             print(f"\n{name}: no plan fits")
             continue
