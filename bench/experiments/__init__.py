@@ -59,3 +59,19 @@ def train_graph(model: str, size: str, target: str) -> tuple[Any, Any, Any]:
     graph = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums,
                         arg_roles=zs.arg_roles, target=target)
     return zs, graph, CostModel.for_target(target)
+
+
+SEARCHES = ("greedy", "sublinear", "keep_matmuls_fit")
+
+
+def plan_named(name: str, graph: Any, budget_bytes: int, cost_model: Any,
+               search_s: float) -> Any:
+    """The plan of registry planner ``name`` (``blocks:dots``: ``blocks`` with
+    ``save="dots"``); a search among :data:`SEARCHES` runs for ``search_s`` seconds."""
+    import jaxmem.planners as registry
+
+    planner, _, save = name.partition(":")
+    opts: dict[str, Any] = {"save": save} if save else {}
+    if planner in SEARCHES:
+        opts["time_limit_s"] = search_s
+    return registry.get(planner).fn(graph, budget_bytes, cost_model, opts)

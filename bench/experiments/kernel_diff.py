@@ -24,8 +24,7 @@ import re
 import sys
 from typing import Any
 
-from bench.experiments import train_graph
-from bench.experiments.reissue_pricing import SEARCHES
+from bench.experiments import plan_named, train_graph
 
 _MiB = 1 << 20
 # A kernel's signature: its name less XLA's number, MiB moved, MFLOP done.
@@ -61,7 +60,6 @@ def changed(base: tuple[collections.Counter, dict], other: tuple[collections.Cou
 
 
 def main(argv: list[str] | None = None) -> int:
-    import jaxmem.planners as registry
     from jaxmem import emit as emit_lib
     from jaxmem.cost.measure import measure
     from jaxmem.planners import _block_solve
@@ -94,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "block_solve":
             plan = _block_solve.solve(g, budget, cost).plan
         else:
-            planner, _, save = name.partition(":")
-            opts: dict[str, Any] = {"save": save} if save else {}
-            if planner in SEARCHES:
-                opts["time_limit_s"] = 30
-            plan = registry.get(planner).fn(g, budget, cost, opts)
+            plan = plan_named(name, g, budget, cost, 30)
         if plan is None or plan.status == "over_budget":
             print(f"\n{name}: no plan fits")
             continue

@@ -38,11 +38,10 @@ import itertools
 import sys
 from typing import Any, Sequence
 
-from bench.experiments import train_graph
+from bench.experiments import plan_named, train_graph
 
 _MiB = 1 << 20
 PRICINGS = ("own buffers", "with fused inputs", "per point, once", "fused chains")
-SEARCHES = ("greedy", "sublinear", "keep_matmuls_fit")
 
 
 def reissue_clocks(graph: Any, plan: Any, cost_model: Any) -> tuple[float, ...]:
@@ -152,7 +151,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=8.0)
     args = p.parse_args(argv)
 
-    import jaxmem.planners as registry
     from jaxmem.plans import plan as plan_lib
 
     zs, graph, cost_model = train_graph(args.model, args.size, args.target)
@@ -168,11 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("|---|---|" + "---|" * (len(PRICINGS) + 1))
     rows: list[tuple[float, ...]] = []
     for name in args.plans.split(","):
-        planner, _, save = name.partition(":")
-        opts: dict[str, Any] = {"save": save} if save else {}
-        if planner in SEARCHES:
-            opts["time_limit_s"] = args.time_limit
-        plan = registry.get(planner).fn(graph, budget, cost_model, opts)
+        plan = plan_named(name, graph, budget, cost_model, args.time_limit)
         clocks = reissue_clocks(graph, plan, cost_model)
         row = (*(c - b for c, b in zip(clocks, base)),
                _compiled_s(graph, plan, zs, args.target) - base_compiled)
