@@ -28,7 +28,10 @@ Checkmate teach, in two levels:
    block's backward, and the rest; in each window the bytes a strategy frees are
    counted for the blocks whose residuals are held there: the blocks before it (in the
    forward pass and in a block's backward, which recomputes its own). Every window must
-   come within the budget.
+   come within the budget. Where that proves no choice fits, the windows count each
+   block's savings in its own forward and backward windows too, and the rounds below run
+   again (a window's peak is at the end of a block's forward, where the values it drops are
+   dead; the corrections take back what this overstates).
 
 The strategies become one plan (the re-issues :func:`~jaxmem.planners._shared.remat_points`
 places, less those the exactness rules take back), which the simulator judges. The windows
@@ -172,43 +175,67 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
                       notes=[f"{len(dropped)} block residuals re-issued by the block-level "
                              f"solve"])
 
-    best: plan_lib.Plan | None = None
-    # Each window's bytes in the step model: the plan that keeps everything's, less what
-    # the strategies free, plus a correction: after each round, what the simulator found
-    # in the window less what the model predicted for that round's choice.
-    correction = [0] * len(marks)
-    seen: set[tuple[int, ...]] = set()
-    rounds = 0
-    step_status = ""
-    round_s = sim_s
-    while rounds < ROUNDS:
-        if out_of_time(None if deadline is None else deadline - round_s, stopped,
-                       f"the block-level solve stopped after {rounds} of {ROUNDS} rounds"):
-            break
-        rounds += 1
-        round_started = time.perf_counter()
-        live = [b + c for b, c in zip(base, correction)]
-        choice, step_status = _step(blocks, strategies, marks, live, budget_bytes, seed,
-                                    deadline)
-        if step_status not in ("OPTIMAL", "INFEASIBLE"):
-            out_of_time(deadline, stopped, "the step model's solve was stopped by the clock")
-        if choice is None:
-            stopped.append(f"no choice of strategies fits the step model ({step_status})")
-            break
-        if tuple(choice) in seen:
-            break
-        seen.add(tuple(choice))
-        plan = plan_of(choice)
-        logger.debug("block solve: round %d, simulated %s B, %.4g s estimated", rounds,
-                     f"{plan.predicted_peak_bytes:,}", plan.predicted_time_s or 0.0)
-        if plan.predicted_peak_bytes <= budget_bytes:
-            best = plan  # the corrections only tighten: no later round is faster
-            break
-        measured = _window_live(graph, res, plan, marks)
-        freed = _freed(blocks, strategies, choice, marks)
-        correction = [max(c, m - (b - f))
-                      for c, m, b, f in zip(correction, measured, base, freed)]
-        round_s = time.perf_counter() - round_started
+    def search(marks: Sequence[tuple[int, tuple[int, ...]]]
+               ) -> tuple[plan_lib.Plan | None, int, str, str | None, bool]:
+        """The step model's rounds under ``marks``: the plan (or None), the rounds run, the
+        last step status, why no choice fit (or None), and whether a plan was simulated."""
+        # Each window's bytes in the step model: the plan that keeps everything's, less what
+        # the strategies free, plus a correction: after each round, what the simulator found
+        # in the window less what the model predicted for that round's choice.
+        correction = [0] * len(marks)
+        seen: set[tuple[int, ...]] = set()
+        rounds = 0
+        step_status = ""
+        round_s = sim_s
+        while rounds < ROUNDS:
+            if out_of_time(None if deadline is None else deadline - round_s, stopped,
+                           f"the block-level solve stopped after {rounds} of {ROUNDS} rounds"):
+                break
+            rounds += 1
+            round_started = time.perf_counter()
+            live = [b + c for b, c in zip(base, correction)]
+            choice, step_status = _step(blocks, strategies, marks, live, budget_bytes, seed,
+                                        deadline)
+            if step_status not in ("OPTIMAL", "INFEASIBLE"):
+                out_of_time(deadline, stopped, "the step model's solve was stopped by the clock")
+            if choice is None:
+                return (None, rounds, step_status,
+                        f"no choice of strategies fits the step model ({step_status})",
+                        bool(seen))
+            if tuple(choice) in seen:
+                break
+            seen.add(tuple(choice))
+            plan = plan_of(choice)
+            logger.debug("block solve: round %d, simulated %s B, %.4g s estimated", rounds,
+                         f"{plan.predicted_peak_bytes:,}", plan.predicted_time_s or 0.0)
+            if plan.predicted_peak_bytes <= budget_bytes:
+                return plan, rounds, step_status, None, True  # the corrections only tighten
+            measured = _window_live(graph, res, plan, marks)
+            freed = _freed(blocks, strategies, choice, marks)
+            correction = [max(c, m - (b - f))
+                          for c, m, b, f in zip(correction, measured, base, freed)]
+            round_s = time.perf_counter() - round_started
+        return None, rounds, step_status, None, bool(seen)
+
+    # A block's savings count first in the windows after its own: within its own forward
+    # and backward the values it drops are still made (for its forward readers, and again
+    # for its backward ones). Where that proves no choice fits, the windows count them in
+    # its own windows too, which is nearer what the simulator finds at a window's peak (the
+    # end of a block's forward, where its dropped values are dead), and the rounds'
+    # corrections take back what that overstates.
+    best, rounds, step_status, unfit, simulated = search(marks)
+    if best is None and unfit is not None and not stopped:
+        own = _marks(res, blocks, own=True)
+        best, more, step_status, unfit_own, simulated_own = search(own)
+        rounds += more
+        simulated = simulated or simulated_own
+        if best is not None:
+            stopped.append(f"{unfit} while each block's savings count only after its own "
+                           f"windows; counting them in its own windows too, one does")
+        else:
+            unfit = unfit_own or unfit
+    if best is None and unfit is not None:
+        stopped.append(unfit)
     optimal = all(s.optimal for ss in strategies.values() for s in ss)
     classes = len(strategies)
     note = (f"block solve: {len(blocks)} blocks of {classes} kind(s), "
@@ -216,7 +243,7 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
             f"solve(s), {time.perf_counter() - started:.2f} s{''.join('; ' + x for x in stopped)}")
     if best is None:
         return Solved(None, "", note + ("; no plan fits the budget under the simulator"
-                                        if seen else ""))
+                                        if simulated else ""))
     status = "OPTIMAL" if optimal and step_status == "OPTIMAL" else "FEASIBLE"
     return Solved(best.replace(notes=(note, *best.notes)), status, note)
 
@@ -412,18 +439,21 @@ def _pareto(strategies: Sequence[Strategy]) -> list[Strategy]:
     return sorted(pareto.values(), key=lambda s: -s.kept_bytes)
 
 
-def _marks(res: Residuals, blocks: Sequence[_Block]) -> list[tuple[int, tuple[int, ...]]]:
+def _marks(res: Residuals, blocks: Sequence[_Block], own: bool = False
+           ) -> list[tuple[int, tuple[int, ...]]]:
     """Where each window starts (a position in ``res.order``) and the blocks whose freed
-    bytes count in it, in order (module docstring)."""
+    bytes count in it, in order (module docstring); ``own``: a block's own forward and
+    backward windows count its freed bytes too (see :func:`solve`)."""
     pos = res.pos
     n = len(blocks)
-    marks = [(pos[b.ops[0]], tuple(range(k))) for k, b in enumerate(blocks)]
+    upto = 1 if own else 0
+    marks = [(pos[b.ops[0]], tuple(range(k + upto))) for k, b in enumerate(blocks)]
     marks.append((pos[blocks[-1].ops[-1]] + 1, tuple(range(n))))
     for k, b in enumerate(blocks):
         # a block's backward starts at its candidates' first backward reader
         start = min((pos[res.first_backward[t]] for t in b.candidates), default=None)
         if start is not None:
-            marks.append((start, tuple(range(k))))
+            marks.append((start, tuple(range(k + upto))))
     return sorted(marks)
 
 
