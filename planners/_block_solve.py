@@ -50,7 +50,7 @@ import bisect
 import dataclasses
 import logging
 import time
-from typing import Mapping, Sequence
+from typing import AbstractSet as Set, Mapping, Sequence
 
 from ortools.sat.python import cp_model
 
@@ -129,6 +129,32 @@ class _Block:
     klass: int
 
 
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """What :func:`solve` needs that does not depend on the budget (see :func:`_prepare`).
+
+    Attributes:
+      res: the residuals of the program's order.
+      blocks: the blocks, with their candidates and classes.
+      strategies: per class, its Pareto set of strategies.
+      marks: the windows (:func:`_marks`).
+      base: per window, its most live bytes in the plan that keeps everything.
+      sim_s: the seconds a round's two simulations of the step take.
+      kept: the blocks' inputs and outputs: every strategy keeps them, and a re-issue
+        reads them where they are, as the block models assume (``remat_points``'s
+        ``keep``: no re-issued sum re-issues one it sums, nor a re-issue one only the
+        forward pass reads).
+    """
+
+    res: Residuals
+    blocks: list[_Block]
+    strategies: dict[int, list[Strategy]]
+    marks: list[tuple[int, tuple[int, ...]]]
+    base: list[int]
+    sim_s: float
+    kept: frozenset[int]
+
+
 def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
           bitwise: bool = True, seed: int = 0, deadline: float | None = None,
           fused_at_arithmetic: bool = False, memo: dict | None = None) -> Solved:
@@ -160,13 +186,19 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
             memo[key] = prepared
     if isinstance(prepared, str):
         return Solved(None, "", "block solve: " + prepared)
-    res, blocks, strategies, marks, base, sim_s = prepared
+    res, blocks, strategies, marks = (prepared.res, prepared.blocks, prepared.strategies,
+                                      prepared.marks)
+    base = prepared.base
     never = never_reissued(graph, bitwise)
 
     def plan_of(choice: Sequence[int]) -> plan_lib.Plan:
         dropped = [b.candidates[i] for b, s in zip(blocks, choice)
                    for i in strategies[b.klass][s].dropped]
-        remat, _ = remat_points(graph, res, dropped)
+        # the blocks' inputs are read where they are: re-issued instead (a re-issued sum
+        # re-issues the fused values it sums, and a norm sums the residual stream), every
+        # layer's re-issues chain back to the first layer's, all placed before the first
+        # backward reader of any (Llama bench: the plan simulated as the unplanned step)
+        remat, _ = remat_points(graph, res, dropped, keep=prepared.kept)
         remat = {t: at for t, at in remat.items() if t not in never}
         draft = plan_lib.unplanned(graph).replace(order=res.order, remat=remat)
         exact = made_exact(graph, draft, None, bitwise)
@@ -186,7 +218,7 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
         seen: set[tuple[int, ...]] = set()
         rounds = 0
         step_status = ""
-        round_s = sim_s
+        round_s = prepared.sim_s
         while rounds < ROUNDS:
             if out_of_time(None if deadline is None else deadline - round_s, stopped,
                            f"the block-level solve stopped after {rounds} of {ROUNDS} rounds"):
@@ -250,19 +282,17 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
 
 def _prepare(graph: MemGraph, cost_model: CostModel, bitwise: bool, seed: int,
              fused_at_arithmetic: bool, deadline: float | None, stopped: list[str]
-             ) -> str | tuple[Residuals, list[_Block], dict[int, list[Strategy]],
-                              list[tuple[int, tuple[int, ...]]], list[int], float]:
-    """What :func:`solve` needs that does not depend on the budget: the residuals, the
-    blocks, each class's strategies, the windows and their bytes in the plan that keeps
-    everything, and the seconds that simulation took; or why there is nothing to solve.
-    ``stopped`` gets a note where ``deadline`` cut it short."""
+             ) -> str | _Prepared:
+    """What :func:`solve` needs that does not depend on the budget, or why there is
+    nothing to solve. ``stopped`` gets a note where ``deadline`` cut it short."""
     res = find_residuals(graph, fused=fused_segments(graph, bitwise))
     forward = [op for op in res.order if graph.ops[op].phase == "forward"]
     cuts = forward_cuts(graph, res)
     found = detect_blocks(graph, res, forward, cuts).found
     if len(found) < 2:
         return "no repeated blocks"
-    blocks = _blocks(graph, res, cost_model, forward, cuts, found, bitwise)
+    kept = block_boundaries(forward, found, cuts)
+    blocks = _blocks(graph, res, cost_model, cuts, found, kept, bitwise)
     if not any(b.candidates for b in blocks):
         return "no block has a residual it may re-issue"
     strategies: dict[int, list[Strategy]] = {}
@@ -272,7 +302,7 @@ def _prepare(graph: MemGraph, cost_model: CostModel, bitwise: bool, seed: int,
                                               "blocks were solved"):
                 return stopped[0]
             strategies[b.klass] = block_strategies(graph, res, cost_model, b, seed,
-                                                   fused_at_arithmetic, deadline)
+                                                   fused_at_arithmetic, deadline, kept)
             if not all(s.optimal for s in strategies[b.klass]) and out_of_time(
                     deadline, stopped, "a block's strategies were cut short"):
                 return stopped[0]
@@ -280,7 +310,8 @@ def _prepare(graph: MemGraph, cost_model: CostModel, bitwise: bool, seed: int,
     simulated = time.perf_counter()
     base = _window_live(graph, res, plan_lib.unplanned(graph), marks)
     # a round simulates the step twice (its plan, then its windows)
-    return res, blocks, strategies, marks, base, 2 * (time.perf_counter() - simulated)
+    return _Prepared(res, blocks, strategies, marks, base,
+                     2 * (time.perf_counter() - simulated), frozenset(kept))
 
 
 def _cp_solver(seed: int, deterministic_s: float, deadline: float | None
@@ -316,11 +347,12 @@ def solve_reported(graph: MemGraph, budget_bytes: int, cost_model: CostModel,
     return solved
 
 
-def _blocks(graph: MemGraph, res: Residuals, cost_model: CostModel, forward: list[int],
+def _blocks(graph: MemGraph, res: Residuals, cost_model: CostModel,
             cuts: tuple[tuple[int, frozenset[int]], ...],
-            found: Sequence[tuple[str, list[int]]], bitwise: bool) -> list[_Block]:
-    """The blocks with their candidates, and a class per distinct sequence of ops."""
-    boundary = block_boundaries(forward, found, cuts)
+            found: Sequence[tuple[str, list[int]]], boundary: Set[int], bitwise: bool
+            ) -> list[_Block]:
+    """The blocks with their candidates (not the ``boundary``: the blocks' inputs and
+    outputs), and a class per distinct sequence of ops."""
     forced = profile(graph, res, cost_model, among=boundary or None, cuts=cuts).forced
     never = never_reissued(graph, bitwise)
     residual = set(res.tensors)
@@ -355,15 +387,17 @@ def _slots(graph: MemGraph, ops: Sequence[int], candidates: Sequence[int]
 
 def block_strategies(graph: MemGraph, res: Residuals, cost_model: CostModel, b: _Block,
                      seed: int = 0, fused_at_arithmetic: bool = False,
-                     deadline: float | None = None) -> list[Strategy]:
+                     deadline: float | None = None, kept: Set[int] = frozenset()
+                     ) -> list[Strategy]:
     """The Pareto set of ``b``'s strategies: least recompute time for each cap on kept bytes
     (:data:`CAPS` caps), by CP-SAT at full detail (module docstring, level 1); a solve the
-    clock stops at ``deadline`` gives a strategy not marked optimal."""
+    clock stops at ``deadline`` gives a strategy not marked optimal. ``kept``: the blocks'
+    inputs and outputs, read where they are (for ``fused_at_arithmetic``'s plan)."""
     ops = b.ops
     in_block = set(ops)
     fused: set[int | None] = set()
     if fused_at_arithmetic:  # which re-issues XLA fuses: those of the plan dropping all
-        remat, _ = remat_points(graph, res, b.candidates)
+        remat, _ = remat_points(graph, res, b.candidates, keep=kept)
         plan = plan_lib.unplanned(graph).replace(order=res.order, remat=remat)
         fused = {ev.op for ev in schedule.build_schedule(graph, plan).events
                  if ev.kind == "fused"}

@@ -17,7 +17,7 @@ from jaxmem.analysis.graph import build_graph
 from jaxmem.cost.costmodel import CostModel
 from jaxmem.planners import _block_solve
 from jaxmem.planners._shared import find_residuals, forward_cuts, fused_segments
-from jaxmem.planners.blocks import detect_blocks
+from jaxmem.planners.blocks import block_boundaries, detect_blocks
 from jaxmem.plans import plan as plan_lib
 
 CPU = CostModel.for_target("cpu")
@@ -53,7 +53,8 @@ def test_each_distinct_layer_gets_a_pareto_set_of_strategies():
     forward = [op for op in res.order if g.ops[op].phase == "forward"]
     cuts = forward_cuts(g, res)
     found = detect_blocks(g, res, forward, cuts).found
-    blocks = _block_solve._blocks(g, res, CPU, forward, cuts, found, True)
+    blocks = _block_solve._blocks(g, res, CPU, cuts, found,
+                                  block_boundaries(forward, found, cuts), True)
     assert len(blocks) >= LAYERS - 1
     # the layers share ops and shapes: one class, solved once
     assert len({b.klass for b in blocks if b.candidates}) == 1
@@ -202,12 +203,35 @@ def test_a_block_that_holds_the_peak_counts_its_own_savings_when_the_others_cann
     budget = int(_peak(g) * 0.78)
     prepared = _block_solve._prepare(g, h100, True, 0, False, None, [])
     assert not isinstance(prepared, str), prepared
-    res, blocks, strategies, marks, base, _ = prepared
-    assert len({b.klass for b in blocks}) > 1
-    choice, status = _block_solve._step(blocks, strategies, marks, base, budget, seed=0)
+    assert len({b.klass for b in prepared.blocks}) > 1
+    choice, status = _block_solve._step(prepared.blocks, prepared.strategies, prepared.marks,
+                                        prepared.base, budget, seed=0)
     assert choice is None and status.startswith("INFEASIBLE")
     solved = _block_solve.solve(g, budget, h100)
     assert solved.plan is not None, solved.note
     assert solved.plan.predicted_peak_bytes <= budget
     assert _peak(g, solved.plan) == solved.plan.predicted_peak_bytes
     assert "counting them in its own windows too, one does" in solved.note
+
+
+def test_a_layer_input_only_the_forward_pass_reads_is_kept_not_reissued():
+    # A re-issued sum re-issues the fused values it sums, and Llama's norms sum the
+    # residual stream: re-issued for a dropped value, each layer's stream would be
+    # computed again from the one before, back to the first layer, all before the first
+    # backward reader of any; read where it is, the block plan fits within 5% of
+    # `blocks`' (every layer at its least)
+    import jaxmem.models as zoo
+
+    zs = zoo.build("llama", "small", step="train")
+    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
+                    target="h100")
+    h100 = CostModel.for_target("h100")
+    least = registry.get("blocks").fn(g, 1, h100, {"bitwise": False}).predicted_peak_bytes
+    assert least < 0.6 * _peak(g)
+    budget = int(least * 1.05)
+    solved = _block_solve.solve(g, budget, h100, bitwise=False)
+    assert solved.plan is not None, solved.note
+    assert solved.plan.predicted_peak_bytes <= budget
+    prepared = _block_solve._prepare(g, h100, False, 0, False, None, [])
+    assert not isinstance(prepared, str), prepared
+    assert prepared.kept and not prepared.kept & set(solved.plan.remat)
