@@ -120,15 +120,11 @@ def _fused_chains(graph: Any, sched: Any, cost_model: Any) -> float:
 
 
 def _compiled_s(graph: Any, plan: Any, zs: Any, target: str) -> float:
-    import jax
+    from jaxmem import emit as emit_lib
+    from jaxmem.cost.measure import measure
 
-    from jaxmem import emit as emit_lib, targets
-    from jaxmem.cost.measure import report
-
-    t = targets.get(target)
-    exe = jax.jit(emit_lib.emit(graph, plan), donate_argnums=zs.donate_argnums).lower(
-        *t.place(zs.args)).compile(compiler_options=t.compiler_options)
-    return report(exe, target).est_step_time_s
+    return measure(emit_lib.emit(graph, plan), *zs.args, target=target,
+                   donate_argnums=zs.donate_argnums).est_step_time_s
 
 
 def agreement(changes: Sequence[float], compiled: Sequence[float]) -> float:
