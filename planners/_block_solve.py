@@ -207,14 +207,15 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
                       notes=[f"{len(dropped)} block residuals re-issued by the block-level "
                              f"solve"])
 
-    def search(marks: Sequence[tuple[int, tuple[int, ...]]]
+    def search(windows: Sequence[tuple[int, tuple[int, ...]]]
                ) -> tuple[plan_lib.Plan | None, int, str, str | None, bool]:
-        """The step model's rounds under ``marks``: the plan (or None), the rounds run, the
-        last step status, why no choice fit (or None), and whether a plan was simulated."""
+        """The step model's rounds under ``windows`` (see :func:`_marks`): the plan (or
+        None), the rounds run, the last step status, why no choice fit (or None), and
+        whether a plan was simulated."""
         # Each window's bytes in the step model: the plan that keeps everything's, less what
         # the strategies free, plus a correction: after each round, what the simulator found
         # in the window less what the model predicted for that round's choice.
-        correction = [0] * len(marks)
+        correction = [0] * len(windows)
         seen: set[tuple[int, ...]] = set()
         rounds = 0
         step_status = ""
@@ -226,7 +227,7 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
             rounds += 1
             round_started = time.perf_counter()
             live = [b + c for b, c in zip(base, correction)]
-            choice, step_status = _step(blocks, strategies, marks, live, budget_bytes, seed,
+            choice, step_status = _step(blocks, strategies, windows, live, budget_bytes, seed,
                                         deadline)
             if step_status not in ("OPTIMAL", "INFEASIBLE"):
                 out_of_time(deadline, stopped, "the step model's solve was stopped by the clock")
@@ -242,8 +243,8 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
                          f"{plan.predicted_peak_bytes:,}", plan.predicted_time_s or 0.0)
             if plan.predicted_peak_bytes <= budget_bytes:
                 return plan, rounds, step_status, None, True  # the corrections only tighten
-            measured = _window_live(graph, res, plan, marks)
-            freed = _freed(blocks, strategies, choice, marks)
+            measured = _window_live(graph, res, plan, windows)
+            freed = _freed(blocks, strategies, choice, windows)
             correction = [max(c, m - (b - f))
                           for c, m, b, f in zip(correction, measured, base, freed)]
             round_s = time.perf_counter() - round_started
