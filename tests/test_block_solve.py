@@ -214,7 +214,7 @@ def test_a_block_that_holds_the_peak_counts_its_own_savings_when_the_others_cann
     assert "counting them in its own windows too, one does" in solved.note
 
 
-def test_a_layer_input_only_the_forward_pass_reads_is_kept_not_reissued():
+def test_the_block_plan_reads_the_layers_inputs_where_they_are():
     # A re-issued sum re-issues the fused values it sums, and Llama's norms sum the
     # residual stream: re-issued for a dropped value, each layer's stream would be
     # computed again from the one before, back to the first layer, all before the first
