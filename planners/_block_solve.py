@@ -31,7 +31,8 @@ Checkmate teach, in two levels:
    come within the budget. Where that proves no choice fits, the windows count each
    block's savings in its own forward and backward windows too, and the rounds below run
    again (a window's peak is at the end of a block's forward, where the values it drops are
-   dead; the corrections take back what this overstates).
+   dead; the corrections take back what this overstates, from the first rounds' simulations
+   on).
 
 The strategies become one plan (the re-issues :func:`~jaxmem.planners._shared.remat_points`
 places, less those the exactness rules take back), which the simulator judges. The windows
@@ -207,16 +208,30 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
                       notes=[f"{len(dropped)} block residuals re-issued by the block-level "
                              f"solve"])
 
+    # Every choice simulated so far, with the most bytes the simulator found live in each
+    # window (the windows start at the same ops under either counting, see _marks).
+    observed: list[tuple[tuple[int, ...], list[int]]] = []
+
+    def corrected(choice: Sequence[int], measured: Sequence[int],
+                  windows: Sequence[tuple[int, tuple[int, ...]]]) -> list[int]:
+        """What the simulator found in each window less what ``windows`` predict for
+        ``choice`` (never below 0)."""
+        freed = _freed(blocks, strategies, choice, windows)
+        return [max(0, m - (b - f)) for m, b, f in zip(measured, base, freed)]
+
     def search(windows: Sequence[tuple[int, tuple[int, ...]]]
                ) -> tuple[plan_lib.Plan | None, int, str, str | None, bool]:
         """The step model's rounds under ``windows`` (see :func:`_marks`): the plan (or
         None), the rounds run, the last step status, why no choice fit (or None), and
         whether a plan was simulated."""
         # Each window's bytes in the step model: the plan that keeps everything's, less what
-        # the strategies free, plus a correction: after each round, what the simulator found
-        # in the window less what the model predicted for that round's choice.
+        # the strategies free, plus a correction: what the simulator found in the window
+        # less what the model predicts for a choice simulated before (under these windows:
+        # a search under other windows starts from what the earlier one's choices showed).
         correction = [0] * len(windows)
-        seen: set[tuple[int, ...]] = set()
+        for c, m in observed:
+            correction = [max(a, x) for a, x in zip(correction, corrected(c, m, windows))]
+        seen = {c for c, _ in observed}
         rounds = 0
         step_status = ""
         round_s = prepared.sim_s
@@ -244,9 +259,9 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
             if plan.predicted_peak_bytes <= budget_bytes:
                 return plan, rounds, step_status, None, True  # the corrections only tighten
             measured = _window_live(graph, res, plan, windows)
-            freed = _freed(blocks, strategies, choice, windows)
-            correction = [max(c, m - (b - f))
-                          for c, m, b, f in zip(correction, measured, base, freed)]
+            observed.append((tuple(choice), measured))
+            correction = [max(c, x) for c, x in
+                          zip(correction, corrected(choice, measured, windows))]
             round_s = time.perf_counter() - round_started
         return None, rounds, step_status, None, bool(seen)
 
@@ -255,7 +270,8 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
     # for its backward ones). Where that proves no choice fits, the windows count them in
     # its own windows too, which is nearer what the simulator finds at a window's peak (the
     # end of a block's forward, where its dropped values are dead), and the rounds'
-    # corrections take back what that overstates.
+    # corrections take back what that overstates, starting from what the simulator found
+    # for the choices the first rounds simulated.
     best, rounds, step_status, unfit, simulated = search(marks)
     if best is None and unfit is not None and not stopped:
         own = _marks(res, blocks, own=True)
