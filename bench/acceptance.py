@@ -22,7 +22,9 @@ not depend on the budget) and prints, per model:
 - **Solve time and bound**: per point, the planner's solve time, the wall time of
   the verify loop (planning and compiling), the bound no plan that fits the budget
   beats under the planners' estimate (:mod:`jaxmem.planners._bound`) with the kept
-  plan's gap to it (by that estimate, not the compiled one), and whose plan was kept.
+  plan's gap to it (by that estimate, not the compiled one), and whose plan was kept;
+  how many of the planned points below the unplanned step's compiled peak kept the
+  solver's own plan.
 
 Every time here is the roofline estimate the records carry, not a
 measurement.
@@ -146,7 +148,7 @@ def report(records: Sequence[Record], planner: str = "cpsat", tie: float = 0.01,
     for r in records:
         groups.setdefault(tuple(r.get(k) for k in _GROUP), []).append(r)
     lines: list[str] = []
-    won = counted = 0
+    won = counted = kept = planned = 0
     for key, mine in groups.items():
         model, size, variant, step, target = key
         reference = next((r for r in mine if r["planner"] == "none"
@@ -175,6 +177,14 @@ def report(records: Sequence[Record], planner: str = "cpsat", tie: float = 0.01,
         counted += len(points)
         lines += ["", f"Won {sum(v.result == 'won' for v in points)} of {len(points)} points "
                       f"(ties within {100 * tie:g}%)."]
+        if reference is not None:
+            below = [v for v in points if fits(v.planner, v.budget_bytes)
+                     and v.budget_bytes < reference["compiled_peak_bytes"]]
+            mine_kept = sum(_solvers_own(v.planner) for v in below)
+            kept += mine_kept
+            planned += len(below)
+            lines.append(f"Solver's own plan kept: {mine_kept} of {len(below)} planned points "
+                         f"below the unplanned peak.")
         gaps = [_time_gap(v.planner) for v in points if fits(v.planner, v.budget_bytes)]
         known = [g for g in gaps if g is not None]
         if known:
@@ -188,7 +198,9 @@ def report(records: Sequence[Record], planner: str = "cpsat", tie: float = 0.01,
             lines += _reduction_lines(mine, planner, reference,
                                       fixed(model, size, step, variant == "scan"))
         lines.append("")
-    lines.append(f"**All models: {planner} won {won} of {counted} (model, budget) points.**")
+    lines.append(f"**All models: {planner} won {won} of {counted} (model, budget) points; "
+                 f"the solver's own plan was kept at {kept} of {planned} planned points below "
+                 f"the unplanned peak.**")
     return "\n".join(lines)
 
 
@@ -242,6 +254,12 @@ def _time_gap(r: Record) -> float | None:
 def _bound(r: Record) -> str:
     gap = _time_gap(r)
     return "–" if gap is None else f"{1e3 * r['plan_time_bound_s']:.2f} ({100 * gap:.1f}%)"
+
+
+def _solvers_own(r: Record) -> bool:
+    """The kept plan is the solver's own (the coarse solver's or the block-level solve's),
+    not a heuristic's fallback (see :func:`_source`)."""
+    return _source(r).startswith("solver")
 
 
 def _source(r: Record) -> str:

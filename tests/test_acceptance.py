@@ -80,6 +80,9 @@ def test_report_counts_the_points_and_names_fallbacks(tmp_path, capsys):
     text = acceptance.report(records, fixed=lambda *key: 100 * MiB)
     assert "Won 1 of 2 points" in text
     assert "won 1 of 2 (model, budget) points" in text
+    # both planned points are below the unplanned peak (1000 MiB); one kept the solver's plan
+    assert "Solver's own plan kept: 1 of 2 planned points below the unplanned peak." in text
+    assert "the solver's own plan was kept at 1 of 2 planned points" in text
     assert "| solver, OPTIMAL |" in text and "| fallback: blocks plan |" in text
     assert "Monotone: yes." in text
 
