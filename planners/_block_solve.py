@@ -212,26 +212,25 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
     # window (the windows start at the same ops under either counting, see _marks).
     observed: list[tuple[tuple[int, ...], list[int]]] = []
 
-    def corrected(choice: Sequence[int], measured: Sequence[int],
-                  windows: Sequence[tuple[int, tuple[int, ...]]]) -> list[int]:
-        """What the simulator found in each window less what ``windows`` predict for
-        ``choice`` (never below 0)."""
-        freed = _freed(blocks, strategies, choice, windows)
-        return [max(0, m - (b - f)) for m, b, f in zip(measured, base, freed)]
+    def corrected(windows: Sequence[tuple[int, tuple[int, ...]]]) -> list[int]:
+        """Each window's bytes in the step model before what a choice frees: the plan that
+        keeps everything's, plus a correction (never below 0), the most the simulator found
+        in the window over what ``windows`` predicted for any choice simulated so far."""
+        correction = [0] * len(windows)
+        for choice, measured in observed:
+            freed = _freed(blocks, strategies, choice, windows)
+            correction = [max(c, m - (b - f))
+                          for c, m, b, f in zip(correction, measured, base, freed)]
+        return [b + c for b, c in zip(base, correction)]
 
     def search(windows: Sequence[tuple[int, tuple[int, ...]]]
                ) -> tuple[plan_lib.Plan | None, int, str, str | None, bool]:
         """The step model's rounds under ``windows`` (see :func:`_marks`): the plan (or
         None), the rounds run, the last step status, why no choice fit (or None), and
         whether a plan was simulated."""
-        # Each window's bytes in the step model: the plan that keeps everything's, less what
-        # the strategies free, plus a correction: what the simulator found in the window
-        # less what the model predicts for a choice simulated before (under these windows:
-        # a search under other windows starts from what the earlier one's choices showed).
-        correction = [0] * len(windows)
-        for c, m in observed:
-            correction = [max(a, x) for a, x in zip(correction, corrected(c, m, windows))]
-        seen = {c for c, _ in observed}
+        # The corrections come from every choice simulated before, under these windows: a
+        # search under other windows starts from what the earlier one's choices showed, and
+        # simulates none of them again.
         rounds = 0
         step_status = ""
         round_s = prepared.sim_s
@@ -241,29 +240,24 @@ def solve(graph: MemGraph, budget_bytes: int, cost_model: CostModel, *,
                 break
             rounds += 1
             round_started = time.perf_counter()
-            live = [b + c for b, c in zip(base, correction)]
-            choice, step_status = _step(blocks, strategies, windows, live, budget_bytes, seed,
-                                        deadline)
+            choice, step_status = _step(blocks, strategies, windows, corrected(windows),
+                                        budget_bytes, seed, deadline)
             if step_status not in ("OPTIMAL", "INFEASIBLE"):
                 out_of_time(deadline, stopped, "the step model's solve was stopped by the clock")
             if choice is None:
                 return (None, rounds, step_status,
                         f"no choice of strategies fits the step model ({step_status})",
-                        bool(seen))
-            if tuple(choice) in seen:
+                        bool(observed))
+            if any(tuple(choice) == c for c, _ in observed):
                 break
-            seen.add(tuple(choice))
             plan = plan_of(choice)
             logger.debug("block solve: round %d, simulated %s B, %.4g s estimated", rounds,
                          f"{plan.predicted_peak_bytes:,}", plan.predicted_time_s or 0.0)
             if plan.predicted_peak_bytes <= budget_bytes:
                 return plan, rounds, step_status, None, True  # the corrections only tighten
-            measured = _window_live(graph, res, plan, windows)
-            observed.append((tuple(choice), measured))
-            correction = [max(c, x) for c, x in
-                          zip(correction, corrected(choice, measured, windows))]
+            observed.append((tuple(choice), _window_live(graph, res, plan, windows)))
             round_s = time.perf_counter() - round_started
-        return None, rounds, step_status, None, bool(seen)
+        return None, rounds, step_status, None, bool(observed)
 
     # A block's savings count first in the windows after its own: within its own forward
     # and backward the values it drops are still made (for its forward readers, and again
