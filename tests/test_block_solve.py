@@ -21,6 +21,9 @@ from jaxmem.planners.blocks import block_boundaries, detect_blocks
 from jaxmem.plans import plan as plan_lib
 
 CPU = CostModel.for_target("cpu")
+# cpsat as a test needs it: its solves stop at deterministic work, not at the clock, so a
+# loaded machine plans the same; on this small step they would otherwise use the limit
+QUICK = {"time_limit_s": 30, "deterministic_time_s": 0.5}
 LAYERS = 4
 
 
@@ -111,7 +114,7 @@ def test_an_impossible_budget_gives_no_block_plan_and_says_why():
 def test_cpsat_scores_the_block_plan_and_keeps_it_as_its_own():
     _, _, g = _step()
     budget = int(_peak(g) * 0.7)
-    plan = registry.get("cpsat").fn(g, budget, CPU, {"time_limit_s": 10, "block_solve": True})
+    plan = registry.get("cpsat").fn(g, budget, CPU, {**QUICK, "block_solve": True})
     assert any(n.startswith("block solve: ") for n in plan.notes)
     scored = [c for c in plan.candidates if c.name == _block_solve.NAME]
     assert len(scored) == 1 and scored[0].peak_bytes <= budget
@@ -127,7 +130,7 @@ def test_cpsat_scores_the_block_plan_and_keeps_it_as_its_own():
 @pytest.mark.parametrize("options", [{"allow_remat": False}, {"block_solve": False}])
 def test_cpsat_runs_no_block_solve_without_remat_or_when_told(options):
     _, _, g = _step()
-    plan = registry.get("cpsat").fn(g, int(_peak(g) * 0.9), CPU, {"time_limit_s": 5, **options})
+    plan = registry.get("cpsat").fn(g, int(_peak(g) * 0.9), CPU, {**QUICK, **options})
     assert not any(n.startswith("block solve") for n in plan.notes)
     assert not any(c.name == _block_solve.NAME for c in plan.candidates)
 
@@ -141,7 +144,7 @@ def test_cpsat_runs_the_block_solve_by_default_and_a_replan_reuses_its_strategie
     memo: dict = {}
     for fraction in (0.8, 0.7):
         plan = registry.get("cpsat").fn(g, int(_peak(g) * fraction), CPU,
-                                        {"time_limit_s": 10, "memo": memo})
+                                        {**QUICK, "memo": memo})
         assert any(c.name == _block_solve.NAME for c in plan.candidates), plan.notes
     # one class of layers, solved in the first call only
     assert len(solved) == 1
