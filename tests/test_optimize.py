@@ -666,3 +666,27 @@ def test_a_budget_below_the_undonated_arguments_and_outputs_names_them_and_donat
     except InfeasibleBudgetError as donated:
         assert donated.floor_bytes is not None and donated.floor_bytes <= budget
         assert "donate_argnums" not in str(donated).split(" Tried:")[0]
+
+
+def _sine_chain_grad(w, x):
+    """A gradient whose forward keeps one ``x``-sized value per weight for its backward."""
+    def loss(w, x):
+        for i in range(w.shape[0]):
+            x = jnp.sin(x * w[i])
+        return jnp.sum(x)
+    return jax.grad(loss)(w, x)
+
+
+def test_a_kept_plan_that_xla_rematerializes_on_its_own_says_so():
+    """Eight 8 GiB values live at once are over XLA's memory limit for h100 (below the
+    device's 79 GiB): XLA's rematerialization pass clones instructions on its own, and the
+    kept plan's notes say how many and what they cost. A step under the limit says
+    nothing of it."""
+    big = (jax.ShapeDtypeStruct((8,), jnp.float32), jax.ShapeDtypeStruct((2**31,), jnp.float32))
+    config = jaxmem.Config(budget="78GiB", target="h100", time_limit_s=10)
+    notes = jaxmem.optimize(_sine_chain_grad, config=config).verified(*big).plan.notes
+    said = [n for n in notes if n.startswith("XLA rematerialized")]
+    assert len(said) == 1 and "over XLA's memory limit for h100" in said[0], notes
+    small = (big[0], jax.ShapeDtypeStruct((2**20,), jnp.float32))
+    notes = jaxmem.optimize(_sine_chain_grad, config=config).verified(*small).plan.notes
+    assert not any("XLA rematerialized" in n for n in notes), notes

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Any, Literal, Mapping, NamedTuple
 
 from jaxmem.cost._hlo_text import (
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["HOST_MEMORY_SPACE", "Computation", "HloModule", "HloParseError", "Instruction",
            "ModuleCost", "OpCost", "Shape", "analyze", "convolution_flops", "parse_module",
-           "window_sizes"]
+           "window_sizes", "xla_rematerialized"]
 
 
 AsyncRole = Literal["start", "done"]
@@ -210,6 +211,27 @@ def analyze(hlo: "str | HloModule", *, apply_trip_counts: bool = True) -> Module
         entry=module.entry, computations=computations, flops=flops, matmul_flops=matmul,
         transcendentals=trans, bytes_accessed=accessed, d2h_bytes=int(d2h), h2d_bytes=int(h2d),
         unknown_trip_counts=totals.unknown, unpriced=tuple(analyzer.unpriced))
+
+
+# XLA's HloRematerialization pass names each instruction it clones after the original,
+# ``.remat`` for the first clone and ``.remat2``, ``.remat3``, ... after it (XLA 0.10-0.12).
+_XLA_REMAT_NAME = re.compile(r"\.remat\d*$")
+
+
+def xla_rematerialized(cost: ModuleCost) -> tuple[OpCost, ...]:
+    """The instructions XLA's own rematerialization pass added to a compiled module.
+
+    XLA runs that pass when a program's live memory exceeds its limit for the device (the
+    device memory less the arguments and outputs, scaled down); the clones recompute values
+    the program as written keeps. jaxmem's own re-issues are ordinary instructions, so on a
+    planned step these are XLA's recomputation on top of the plan's.
+
+    >>> op = OpCost("fusion.3.remat2", "fusion")
+    >>> xla_rematerialized(ModuleCost("main", {"main": (op,)}, 0, 0, 0, 0, 0, 0)) == (op,)
+    True
+    """
+    return tuple(op for ops in cost.computations.values() for op in ops
+                 if op.control is None and _XLA_REMAT_NAME.search(op.name))
 
 
 class _Totals:

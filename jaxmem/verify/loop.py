@@ -18,7 +18,9 @@ import jax
 
 from jaxmem import emit as emit_lib, level as level_lib, targets as targets_lib
 from jaxmem.config import Config
-from jaxmem.cost.measure import compiled_bytes, report
+from jaxmem.cost.costmodel import CostModel
+from jaxmem.cost.hlo import xla_rematerialized
+from jaxmem.cost.measure import Report, compiled_bytes, report
 from jaxmem.cost.profile import planning_cost_model
 from jaxmem.errors import InfeasibleBudgetError
 from jaxmem.plans import plan as plan_lib
@@ -343,11 +345,14 @@ def _settle(loop: _Loop, arg_labels: Sequence[int | str] | None
     recall_lib.remember(step, rounds)
     best = min(range(len(rounds)), key=lambda i: rounds[i].compiled_bytes)
     ranking: tuple[str, ...] = ()
+    reports: dict[int, Report] = {}
     fitting = sum(r.compiled_bytes <= budget for r in rounds)
     if fitting > 1 or (fitting and rounds[best].plan.alternatives):
-        best, ranking = _rank_alternatives(best, rounds, loop.built, budget, target, loop.seen,
-                                           loop.compile_round)
+        best, ranking, reports = _rank_alternatives(best, rounds, loop.built, budget, target,
+                                                    loop.seen, loop.compile_round)
     chosen = rounds[best]
+    ranking = (*ranking, *_xla_remat_note(reports.get(best) or report(loop.built[best][1],
+                                                                      target), target))
     # The verified status replaces the planner's; a fallback it reported stays in its
     # fallback_reason and source.
     notes = (*(loop.made[0][1] if loop.made else ()), *chosen.plan.notes, *ranking,
@@ -558,7 +563,7 @@ def _alternative_fits(plan: plan_lib.Plan, planner_budget: int, budget: int, see
 def _rank_alternatives(first: int, rounds: list[Round], built: list[tuple[Any, Any]],
                        budget: int, target: targets_lib.Target, seen: set[str],
                        compile_round: Callable[[plan_lib.Plan, int], tuple[int, int]]
-                       ) -> tuple[int, tuple[str, ...]]:
+                       ) -> tuple[int, tuple[str, ...], dict[int, Report]]:
     """Compile the fitting round's alternatives; the index of the fastest round that fits.
 
     Planners estimate step time on the jaxpr; the compiled step's roofline
@@ -573,7 +578,8 @@ def _rank_alternatives(first: int, rounds: list[Round], built: list[tuple[Any, A
         seen.add(decisions)
         compile_round(alt, rounds[first].planner_budget_bytes)
     fitting = [i for i, r in enumerate(rounds) if r.compiled_bytes <= budget]
-    times = {i: report(built[i][1], target).est_step_time_s for i in fitting}
+    reports = {i: report(built[i][1], target) for i in fitting}
+    times = {i: r.est_step_time_s for i, r in reports.items()}
     best = min(fitting, key=lambda i: (times[i], rounds[i].compiled_bytes))
 
     def label(i: int) -> str:
@@ -584,10 +590,42 @@ def _rank_alternatives(first: int, rounds: list[Round], built: list[tuple[Any, A
         return f"round {i + 1} (recalled)" if recalled else f"round {i + 1}"
 
     lines = [f"{label(i)}: {format_bytes(rounds[i].compiled_bytes)}, {times[i] * 1e3:.4g} ms"
-             for i in fitting]
+             + _xla_remat_part(reports[i], target) for i in fitting]
     logger.info("ranked %d fitting plans by compiled time: %s", len(fitting), "; ".join(lines))
     return best, (f"ranked {len(fitting)} fitting plans by compiled roofline time (kept the "
-                  f"fastest): " + "; ".join(lines),)
+                  f"fastest): " + "; ".join(lines),), reports
+
+
+def _xla_remat_part(measured: Report, target: targets_lib.Target) -> str:
+    """`` (XLA rematerialized N, X ms)`` for a compiled round XLA recomputed in on its own,
+    else ``""``."""
+    ops = xla_rematerialized(measured.hlo_cost)
+    if not ops:
+        return ""
+    seconds = _xla_remat_s(ops, target)
+    return f" (XLA rematerialized {len(ops)}, {seconds * 1e3:.3g} ms)"
+
+
+def _xla_remat_s(ops: Sequence[Any], target: targets_lib.Target) -> float:
+    cost_model = CostModel.for_target(target)
+    return sum(cost_model.instruction_time_s(op) for op in ops)
+
+
+def _xla_remat_note(measured: Report, target: targets_lib.Target) -> tuple[str, ...]:
+    """A note for a kept plan whose compiled program XLA recomputed in on its own (its
+    HloRematerialization pass, which runs when the program is over XLA's memory limit for
+    the device, below the device's memory), else nothing."""
+    ops = xla_rematerialized(measured.hlo_cost)
+    if not ops:
+        return ()
+    seconds = _xla_remat_s(ops, target)
+    logger.info("XLA rematerialized %d instructions of the kept plan on %s (%.3g ms)",
+                len(ops), target.name, seconds * 1e3)
+    return (f"XLA rematerialized {len(ops)} instruction(s) of this plan on its own "
+            f"({seconds * 1e3:.3g} ms of the {measured.est_step_time_s * 1e3:.4g} ms compiled "
+            f"roofline): the program was over XLA's memory limit for {target.name}, which "
+            f"lies below the device's memory; a lower budget lets the planner choose what is "
+            f"recomputed",)
 
 
 ### Level and plan cache
