@@ -31,7 +31,7 @@ def test_main_prints_each_plans_changed_kernels_and_they_add_up(capsys):
     assert kernel_diff.main(["mlp", "0.8", "sublinear", "--size", "small"]) == 0
     out = capsys.readouterr().out
     found = re.search(r"sublinear: estimate [-+][\d.]+ ms, compiled roofline ([-+][\d.]+) ms; "
-                      r"kernels changed \(sum ([-+][\d.]+) ms\)", out)
+                      r"[\d,]+ MiB compiled; kernels changed \(sum ([-+][\d.]+) ms\)", out)
     assert found, out
     assert float(found.group(1)) == pytest.approx(float(found.group(2)), abs=2e-3)
     assert "| count | kernel | MiB | MFLOP | ms each | ms |" in out

@@ -65,13 +65,16 @@ SEARCHES = ("greedy", "sublinear", "keep_matmuls_fit")
 
 
 def plan_named(name: str, graph: Any, budget_bytes: int, cost_model: Any,
-               search_s: float) -> Any:
+               search_s: float, bitwise: bool = True) -> Any:
     """The plan of registry planner ``name`` (``blocks:dots``: ``blocks`` with
-    ``save="dots"``); a search among :data:`SEARCHES` runs for ``search_s`` seconds."""
+    ``save="dots"``); a search among :data:`SEARCHES` runs for ``search_s`` seconds.
+    ``bitwise=False``: as under ``Config(bitwise=False)``."""
     import jaxmem.planners as registry
 
     planner, _, save = name.partition(":")
     opts: dict[str, Any] = {"save": save} if save else {}
+    if not bitwise:
+        opts["bitwise"] = False
     if planner in SEARCHES:
         opts["time_limit_s"] = search_s
     return registry.get(planner).fn(graph, budget_bytes, cost_model, opts)
