@@ -607,6 +607,7 @@ def _xla_remat_part(measured: Report, target: targets_lib.Target) -> str:
 
 
 def _xla_remat_s(ops: Sequence[Any], target: targets_lib.Target) -> float:
+    """The roofline seconds of XLA's cloned instructions ``ops`` on ``target``."""
     cost_model = CostModel.for_target(target)
     return sum(cost_model.instruction_time_s(op) for op in ops)
 
