@@ -599,30 +599,28 @@ def _rank_alternatives(first: int, rounds: list[Round], built: list[tuple[Any, A
 def _xla_remat_part(measured: Report, target: targets_lib.Target) -> str:
     """`` (XLA rematerialized N, X ms)`` for a compiled round XLA recomputed in on its own,
     else ``""``."""
-    ops = xla_rematerialized(measured.hlo_cost)
-    if not ops:
-        return ""
-    seconds = _xla_remat_s(ops, target)
-    return f" (XLA rematerialized {len(ops)}, {seconds * 1e3:.3g} ms)"
+    count, seconds = _xla_clones(measured, target)
+    return f" (XLA rematerialized {count}, {seconds * 1e3:.3g} ms)" if count else ""
 
 
-def _xla_remat_s(ops: Sequence[Any], target: targets_lib.Target) -> float:
-    """The roofline seconds of XLA's cloned instructions ``ops`` on ``target``."""
+def _xla_clones(measured: Report, target: targets_lib.Target) -> tuple[int, float]:
+    """How many instructions XLA's rematerialization pass cloned in a compiled step, and
+    their roofline seconds on ``target``."""
+    ops = () if measured.hlo_cost is None else xla_rematerialized(measured.hlo_cost)
     cost_model = CostModel.for_target(target)
-    return sum(cost_model.instruction_time_s(op) for op in ops)
+    return len(ops), sum(cost_model.instruction_time_s(op) for op in ops)
 
 
 def _xla_remat_note(measured: Report, target: targets_lib.Target) -> tuple[str, ...]:
     """A note for a kept plan whose compiled program XLA recomputed in on its own (its
     HloRematerialization pass, which runs when the program is over XLA's memory limit for
     the device, below the device's memory), else nothing."""
-    ops = xla_rematerialized(measured.hlo_cost)
-    if not ops:
+    count, seconds = _xla_clones(measured, target)
+    if not count:
         return ()
-    seconds = _xla_remat_s(ops, target)
     logger.info("XLA rematerialized %d instructions of the kept plan on %s (%.3g ms)",
-                len(ops), target.name, seconds * 1e3)
-    return (f"XLA rematerialized {len(ops)} instruction(s) of this plan on its own "
+                count, target.name, seconds * 1e3)
+    return (f"XLA rematerialized {count} instruction(s) of this plan on its own "
             f"({seconds * 1e3:.3g} ms of the {measured.est_step_time_s * 1e3:.4g} ms compiled "
             f"roofline): the program was over XLA's memory limit for {target.name}, which "
             f"lies below the device's memory; a lower budget lets the planner choose what is "
