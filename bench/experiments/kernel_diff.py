@@ -63,7 +63,6 @@ def changed(base: tuple[collections.Counter, dict], other: tuple[collections.Cou
 
 def main(argv: list[str] | None = None) -> int:
     from jaxmem import emit as emit_lib
-    from jaxmem.cost.hlo import xla_rematerialized
     from jaxmem.cost.measure import measure
     from jaxmem.planners import _block_solve
     from jaxmem.planners._estimate import estimate_time_s
@@ -86,9 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     def compiled(plan: plan_lib.Plan) -> tuple[float, Any, str]:
         r = measure(emit_lib.emit(g, plan), *zs.args, target="h100",
                     donate_argnums=zs.donate_argnums)
-        clones = xla_rematerialized(r.hlo_cost)
-        said = (f"; XLA rematerialized {len(clones)} instructions "
-                f"({1e3 * sum(cost.instruction_time_s(op) for op in clones):.2f} ms), "
+        clones, clones_s = r.xla_clones()
+        said = (f"; XLA rematerialized {clones} instructions ({1e3 * clones_s:.2f} ms), "
                 f"{r.peak_memory_in_bytes / _MiB:,.0f} MiB compiled" if clones else
                 f"; {r.peak_memory_in_bytes / _MiB:,.0f} MiB compiled")
         return r.est_step_time_s, kernel_times(r.hlo_cost, cost), said

@@ -25,7 +25,7 @@ import jax
 
 from jaxmem import targets as _targets
 from jaxmem.cost.costmodel import CostModel
-from jaxmem.cost.hlo import ModuleCost, analyze
+from jaxmem.cost.hlo import ModuleCost, analyze, xla_rematerialized
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,13 @@ class Report:
         """The scalar fields, ready for JSON."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name not in ("hlo_cost", "hlo_text")}
+
+    def xla_clones(self) -> tuple[int, float]:
+        """How many instructions XLA's own rematerialization pass cloned in this step
+        (:func:`~jaxmem.cost.hlo.xla_rematerialized`) and their roofline seconds."""
+        ops = () if self.hlo_cost is None else xla_rematerialized(self.hlo_cost)
+        cost_model = CostModel.for_target(self.target)
+        return len(ops), sum(cost_model.instruction_time_s(op) for op in ops)
 
     def summary(self) -> str:
         """A readable multi-line account of the figures."""

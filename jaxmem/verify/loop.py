@@ -18,8 +18,6 @@ import jax
 
 from jaxmem import emit as emit_lib, level as level_lib, targets as targets_lib
 from jaxmem.config import Config
-from jaxmem.cost.costmodel import CostModel
-from jaxmem.cost.hlo import xla_rematerialized
 from jaxmem.cost.measure import Report, compiled_bytes, report
 from jaxmem.cost.profile import planning_cost_model
 from jaxmem.errors import InfeasibleBudgetError
@@ -351,8 +349,8 @@ def _settle(loop: _Loop, arg_labels: Sequence[int | str] | None
         best, ranking, reports = _rank_alternatives(best, rounds, loop.built, budget, target,
                                                     loop.seen, loop.compile_round)
     chosen = rounds[best]
-    ranking = (*ranking, *_xla_remat_note(reports.get(best) or report(loop.built[best][1],
-                                                                      target), target))
+    ranking = (*ranking, *_xla_remat_note(reports.get(best)
+                                          or report(loop.built[best][1], target)))
     # The verified status replaces the planner's; a fallback it reported stays in its
     # fallback_reason and source.
     notes = (*(loop.made[0][1] if loop.made else ()), *chosen.plan.notes, *ranking,
@@ -590,39 +588,31 @@ def _rank_alternatives(first: int, rounds: list[Round], built: list[tuple[Any, A
         return f"round {i + 1} (recalled)" if recalled else f"round {i + 1}"
 
     lines = [f"{label(i)}: {format_bytes(rounds[i].compiled_bytes)}, {times[i] * 1e3:.4g} ms"
-             + _xla_remat_part(reports[i], target) for i in fitting]
+             + _xla_remat_part(reports[i]) for i in fitting]
     logger.info("ranked %d fitting plans by compiled time: %s", len(fitting), "; ".join(lines))
     return best, (f"ranked {len(fitting)} fitting plans by compiled roofline time (kept the "
                   f"fastest): " + "; ".join(lines),), reports
 
 
-def _xla_remat_part(measured: Report, target: targets_lib.Target) -> str:
+def _xla_remat_part(measured: Report) -> str:
     """`` (XLA rematerialized N, X ms)`` for a compiled round XLA recomputed in on its own,
     else ``""``."""
-    count, seconds = _xla_clones(measured, target)
+    count, seconds = measured.xla_clones()
     return f" (XLA rematerialized {count}, {seconds * 1e3:.3g} ms)" if count else ""
 
 
-def _xla_clones(measured: Report, target: targets_lib.Target) -> tuple[int, float]:
-    """How many instructions XLA's rematerialization pass cloned in a compiled step, and
-    their roofline seconds on ``target``."""
-    ops = () if measured.hlo_cost is None else xla_rematerialized(measured.hlo_cost)
-    cost_model = CostModel.for_target(target)
-    return len(ops), sum(cost_model.instruction_time_s(op) for op in ops)
-
-
-def _xla_remat_note(measured: Report, target: targets_lib.Target) -> tuple[str, ...]:
+def _xla_remat_note(measured: Report) -> tuple[str, ...]:
     """A note for a kept plan whose compiled program XLA recomputed in on its own (its
     HloRematerialization pass, which runs when the program is over XLA's memory limit for
     the device, below the device's memory), else nothing."""
-    count, seconds = _xla_clones(measured, target)
+    count, seconds = measured.xla_clones()
     if not count:
         return ()
     logger.info("XLA rematerialized %d instructions of the kept plan on %s (%.3g ms)",
-                count, target.name, seconds * 1e3)
+                count, measured.target, seconds * 1e3)
     return (f"XLA rematerialized {count} instruction(s) of this plan on its own "
             f"({seconds * 1e3:.3g} ms of the {measured.est_step_time_s * 1e3:.4g} ms compiled "
-            f"roofline): the program was over XLA's memory limit for {target.name}, which "
+            f"roofline): the program was over XLA's memory limit for {measured.target}, which "
             f"lies below the device's memory; a lower budget lets the planner choose what is "
             f"recomputed",)
 
