@@ -95,6 +95,19 @@ def test_round_shares_come_from_the_attempts_part_and_end_at_what_is_left():
                                            "calls, 0.2 s over it")
 
 
+def test_the_next_attempt_gets_the_shares_of_the_rounds_the_first_did_not_start():
+    clock = FakeClock()
+    planning = PlanningTime(8.0, clock)
+    config = jaxmem.Config(time_limit_s=8.0, verify_rounds=4)
+    exact = Attempt(4.0, 4.0, "bit-exact")
+    assert planning.after(config, exact, "relaxed") == Attempt(8.0, 0.0, "relaxed")
+    planning.plan(lambda given: None, 2.0)  # round 1's share, 2 s (none of it taken)
+    assert planning.after(config, exact, "relaxed").seconds == 6.0
+    for _ in range(3):  # every re-plan started (2/3 s each): the relaxed attempt gets 4 s
+        planning.plan(lambda given: None, 2 / 3)
+    assert planning.after(config, exact, "relaxed").seconds == pytest.approx(4.0)
+
+
 def _bf16_step():
     def loss(ws, x):
         for w in ws:
@@ -108,7 +121,9 @@ def _bf16_step():
 def test_the_bit_exact_and_the_relaxed_attempts_share_one_limit(monkeypatch):
     """Under ``bitwise="auto"`` a 16-bit step's bit-exact attempt plans within half of the
     limit and the relaxed attempt within what is left: one 8 s limit, not one each. The
-    planner overruns each call by a second; no bit-exact plan fits, the relaxed one does."""
+    planner overruns each call by a second; no bit-exact plan fits, the relaxed one does.
+    The bit-exact attempt started one round of its four, so the relaxed attempt's shares
+    come from the limit less that round's share (6 s), not from its own half (4 s)."""
     clock = FakeClock()
     clock.install(monkeypatch, verify_lib, optimize_lib)
     calls = []
@@ -128,13 +143,13 @@ def test_the_bit_exact_and_the_relaxed_attempts_share_one_limit(monkeypatch):
                                                     planner="slow", time_limit_s=8.0))
     plan = step.verified(*args).plan
     # bit-exact: 2 s given (half of its 4), 3 taken; 8 - 4 kept - 3 - 1 leaves no re-plan;
-    # relaxed: 2 s given (half of its 4), 3 taken, and it fits
-    assert calls == [(True, 2.0), (False, 2.0)]
+    # relaxed: 3 s given (half of 8 - 2), 4 taken, and it fits
+    assert calls == [(True, 2.0), (False, 3.0)]
     assert plan.status == "ok" and any(n.startswith("bitwise='auto'") for n in plan.notes)
     assert any("bit-exact attempt's part of time_limit_s=8 spent" in n for n in plan.notes)
-    assert any(n.startswith("planning 6.0 s of time_limit_s=8 in 2 planner calls; compiling")
+    assert any(n.startswith("planning 7.0 s of time_limit_s=8 in 2 planner calls; compiling")
                for n in plan.notes)
-    assert step.cache_info().planning_s == pytest.approx(6.0)
+    assert step.cache_info().planning_s == pytest.approx(7.0)
 
 
 def _simulated_peak(params, x):

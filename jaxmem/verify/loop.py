@@ -149,8 +149,7 @@ def verify(graph: Any, config: Config, target: targets_lib.Target, abstract_args
     planning = planning or PlanningTime(config.time_limit_s, clock=time.perf_counter)
     if attempt is None:
         limit = config.time_limit_s
-        attempt = (Attempt(limit * EXACT_SHARE, limit * (1 - EXACT_SHARE), "bit-exact")
-                   if _relaxable(graph, config) else Attempt(limit))
+        attempt = (_exact_attempt(config) if _relaxable(graph, config) else Attempt(limit))
     loop = _Loop(graph, config, target, abstract_args, donate_argnums, counters, planning,
                  cost_model, cost_notes, costs)
     if plain_first:
@@ -438,6 +437,13 @@ def argument_floor(graph: Any, args: Sequence[Any], donate_argnums: Sequence[int
     return floor, tuple(big)
 
 
+def _exact_attempt(config: Config) -> Attempt:
+    """The bit-exact attempt on a step ``bitwise="auto"`` may relax: ``EXACT_SHARE`` of
+    the limit, the rest kept for the relaxed attempt."""
+    limit = config.time_limit_s
+    return Attempt(limit * EXACT_SHARE, limit * (1 - EXACT_SHARE), "bit-exact")
+
+
 def _relaxable(graph: Any, config: Config) -> bool:
     """Whether ``bitwise="auto"`` may plan this step relaxed when no bit-exact plan fits
     (a 16-bit step whose bit-exact plans leave fused values where they are)."""
@@ -468,7 +474,7 @@ def _relaxed(loop: _Loop, cost_model: Any, cost_notes: Sequence[str],
     bit-exact attempt left of the step's time limit (:mod:`jaxmem.verify.timing`)."""
     graph, config, target = loop.graph, loop.config, loop.target
     relaxed_config = dataclasses.replace(config, bitwise=False, on_over_budget="raise")
-    attempt = Attempt(config.time_limit_s * (1 - EXACT_SHARE), 0.0, "relaxed")
+    attempt = loop.planning.after(config, _exact_attempt(config), "relaxed")
     try:
         plan, jitted, compiled, rounds = verify(
             graph, relaxed_config, target.for_bitwise(False), loop.abstract_args,

@@ -31,7 +31,8 @@ T = TypeVar("T")
 # that is smaller: a short limit's re-plans).
 MIN_ROUND_S = 1.0
 # Under bitwise="auto", the share of time_limit_s the bit-exact attempt of a step that may
-# be relaxed plans within; the relaxed attempt gets the rest (and what the first left).
+# be relaxed plans within; the relaxed attempt gets the rest, and the shares of the rounds
+# the first did not start (PlanningTime.after).
 EXACT_SHARE = 0.5
 
 
@@ -94,6 +95,17 @@ class PlanningTime:
             self.reached.append(f"time_limit_s={self.limit_s:g} reached: {what} "
                                 f"({self.planned_s:.1f} s planned in {self.calls} calls)")
         return None
+
+    def after(self, config: Config, attempt: Attempt, label: str) -> Attempt:
+        """The attempt that follows ``attempt``, which made every planner call so far: the
+        limit less the shares of the rounds ``attempt`` started. A bit-exact attempt whose
+        first plan no re-plan can bring within the budget stops after one round, and its
+        re-plans' shares go to the next attempt. Fixed by the rounds run, not read off the
+        clock, so that the next attempt's shares repeat too (the clock still caps them)."""
+        shares = dataclasses.replace(config, time_limit_s=attempt.seconds)
+        started_s = sum(shares.round_time_limit_s(i)
+                        for i in range(min(self.calls, config.verify_rounds)))
+        return Attempt(max(self.limit_s - started_s, self.limit_s - attempt.seconds), 0.0, label)
 
     def plan(self, call: Callable[[float], T], given_s: float) -> T:
         """``call(given_s)``, a planner call given ``given_s`` seconds, timed against the limit."""
