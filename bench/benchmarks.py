@@ -92,6 +92,7 @@ def _render_sweeps(root: str, folder: str) -> str:
     plots = [f"![{m}]({folder}/{m}/sweep/frontier.png)" for m in SWEPT
              if os.path.exists(os.path.join(root, folder, m, "sweep", "frontier.png"))]
     return "\n\n".join([
+        *_rerun_models(root, folder),
         "### Every model as written and under every stock policy",
         "One compile per (model, policy), from the sweeps' records.",
         markdown.peers_table(peers),
@@ -101,6 +102,27 @@ def _render_sweeps(root: str, folder: str) -> str:
         "Compiled peak against estimated step time: `cpsat` a line through its sweep points, "
         "each stock policy a marker.",
         "\n".join(plots)])
+
+
+def _rerun_models(root: str, folder: str) -> list[str]:
+    """A line for the models whose sweep ran again on its own after the section's script
+    (another commit than the section's run.json names): when, at which commit, and the
+    command, from the model's own run.json; none when every model ran with the section."""
+    with open(os.path.join(root, folder, "run.json"), encoding="utf-8") as source:
+        section_commit = json.load(source)["commit"].rstrip("+")
+    again = []
+    for m in SWEPT:
+        path = os.path.join(root, folder, m, "sweep", "run.json")
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8") as source:
+            own = json.load(source)
+        if own["commit"].rstrip("+")[:7] != section_commit[:7]:
+            again.append(f"`{m}` ran again on its own {own['started'][:10]} "
+                         f"({own['wall_s'] / 60:.0f} min; commit {own['commit'][:7]}): "
+                         f"`{own['command']}`")
+    return ["Run again since, its records replacing the script's: " + "; ".join(again) + "."
+            ] if again else []
 
 
 def _render_text(root: str, folder: str) -> str:

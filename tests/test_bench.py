@@ -350,6 +350,27 @@ def test_a_section_runs_its_script_and_prints_it_beside_its_records(tmp_path):
         benchmarks.run(dataclasses.replace(section, script="exit 3"), root=str(tmp_path))
 
 
+def test_a_sweep_run_again_on_its_own_is_named_beside_the_sections_run(tmp_path):
+    """A model swept again after the section's script (its own run.json names another
+    commit) gets a line with its date, commit and command; one swept with it gets none."""
+    from bench import benchmarks
+
+    def write(path, **run):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as sink:
+            json.dump(run, sink)
+
+    write(str(tmp_path / "run.json"), commit="007455ddc3da")
+    write(str(tmp_path / "gpt2" / "sweep" / "run.json"), commit="007455ddc3da+",
+          started="2026-12-02T05:30:42", wall_s=2086.3, command="python -m bench gpt2")
+    assert benchmarks._rerun_models(str(tmp_path), "") == []
+    write(str(tmp_path / "llama" / "sweep" / "run.json"), commit="9c3d707abcde+",
+          started="2026-12-03T18:00:00", wall_s=1200.0, command="python -m bench llama")
+    (line,) = benchmarks._rerun_models(str(tmp_path), "")
+    assert "`llama` ran again on its own 2026-12-03 (20 min; commit 9c3d707)" in line
+    assert "`python -m bench llama`" in line and "gpt2" not in line
+
+
 @pytest.mark.parametrize("which", ["equinox", "nnx"])
 def test_third_party_unrolled_gpts_wrap_each_block_and_have_one_block_per_layer(which):
     """The unrolled Equinox and NNX GPTs of ``bench.experiments.third_party``: a policy puts
