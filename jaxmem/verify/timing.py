@@ -105,7 +105,7 @@ class PlanningTime:
         shares = dataclasses.replace(config, time_limit_s=attempt.seconds)
         started_s = sum(shares.round_time_limit_s(i)
                         for i in range(min(self.calls, config.verify_rounds)))
-        return Attempt(max(self.limit_s - started_s, self.limit_s - attempt.seconds), 0.0, label)
+        return Attempt(self.limit_s - started_s, 0.0, label)  # (at least the limit less its part)
 
     def plan(self, call: Callable[[float], T], given_s: float) -> T:
         """``call(given_s)``, a planner call given ``given_s`` seconds, timed against the limit."""
