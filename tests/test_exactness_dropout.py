@@ -226,3 +226,20 @@ def test_a_tie_leaves_the_dropout_gradient_one_value_for_all_its_readers():
                    for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns)
     assert divisions(emit.emit(g, plan)) == divisions(step), "the dropout gradient is split"
     assert _bitwise(jax.jit(emit.emit(g, plan))(*args), jax.jit(step)(*args))
+
+
+@pytest.mark.parametrize("bitwise", [True, False])
+def test_a_32_bit_step_no_plan_fits_names_its_masked_sums_and_the_way_out(bitwise):
+    """Where no plan fits a 32-bit step, the error says what the masked-sum rule keeps and
+    that ``Config(bitwise=False)`` re-issues it; a relaxed config's error does not."""
+    step, args = _linen_embedding()
+    opt = jaxmem.optimize(step, config=jaxmem.Config(
+        budget=1024, target="cpu", planner="greedy", bitwise=bitwise, time_limit_s=5))
+    with pytest.raises(jaxmem.InfeasibleBudgetError) as caught:
+        opt.verified(*args)
+    said = "dropout-masked values that sums read" in str(caught.value)
+    assert said == bitwise, str(caught.value)
+    if bitwise:
+        masked = _principles.masked_sums(build_graph(step, *args, target="cpu"))
+        assert f"this step's {len(masked)} dropout-masked values" in str(caught.value)
+        assert "Config(bitwise=False) re-issues them too" in str(caught.value)

@@ -518,9 +518,24 @@ def _sixteen_bit(graph: Any) -> bool:
 
 
 def _bitwise_hint(graph: Any, config: Config) -> str:
-    """Why a 16-bit step may miss its budget under ``bitwise=True``, and the way out."""
-    if not (config.exact and _sixteen_bit(graph)):
+    """Why a step may miss its budget while its plans keep its bits, and the way out: a
+    16-bit step's values fused into summations, a 32-bit step's dropout-masked values that
+    sums read (:func:`~jaxmem.planners._principles.masked_sums`)."""
+    if not config.exact:
         return ""
+    if not _sixteen_bit(graph):
+        from jaxmem.planners._principles import masked_sums
+
+        masked = masked_sums(graph)
+        if not masked:
+            return ""
+        held = sum(graph.tensors[t].bytes for t in masked)
+        return (f". Bit-exact plans leave this step's {len(masked)} dropout-masked values "
+                f"that sums read ({format_bytes(held)}) where the forward pass made them "
+                f"(XLA:CPU fuses a re-issued copy into the "
+                f"sums, which then add in another order). Config(bitwise=False) re-issues "
+                f"them too, for a lower peak and gradients that may differ from the plain "
+                f"step's in their last bits (docs/exactness.md)")
     return (". This step has 16-bit floating-point values: to keep its bits, the remat planners "
             "leave the values XLA fuses into a summation (a softmax's exponential, a norm's "
             "centred input) where the forward pass made them. Config(bitwise=False) recomputes "
