@@ -374,11 +374,12 @@ def _settle(loop: _Loop, arg_labels: Sequence[int | str] | None
                          f"{format_bytes(relaxed.best_compiled_bytes or 0)}")
     tried = "; ".join(f"planner budget {format_bytes(r.planner_budget_bytes)} -> compiled "
                       f"{format_bytes(r.compiled_bytes)}" for r in rounds) + relaxed_tried
-    tried += "".join(f" ({why})" for why in loop.planning.reached) + _bitwise_hint(graph, config)
-    tried += _scan_hint(graph, config)
+    tried += "".join(f" ({why})" for why in loop.planning.reached)
     floor, undonated = ((None, ()) if config.allow_state_offload else
                         argument_floor(graph, loop.abstract_args, loop.donate_argnums,
                                        arg_labels))
+    if floor is None or floor <= budget:  # below the arguments no way of planning helps
+        tried += _bitwise_hint(graph, config) + _scan_hint(graph, config)
     if config.on_over_budget == "warn":
         below = ("" if floor is None or floor <= budget else
                  f" The arguments and the outputs the step does not write into donated "
@@ -532,10 +533,10 @@ def _bitwise_hint(graph: Any, config: Config) -> str:
         held = sum(graph.tensors[t].bytes for t in masked)
         return (f". Bit-exact plans leave this step's {len(masked)} dropout-masked values "
                 f"that sums read ({format_bytes(held)}) where the forward pass made them "
-                f"(XLA:CPU fuses a re-issued copy into the "
-                f"sums, which then add in another order). Config(bitwise=False) re-issues "
-                f"them too, for a lower peak and gradients that may differ from the plain "
-                f"step's in their last bits (docs/exactness.md)")
+                f"(XLA:CPU fuses a re-issued copy into the sums, which then add in another "
+                f"order). Config(bitwise=False) re-issues them too, which can lower the peak, "
+                f"with gradients that may differ from the plain step's in their last bits "
+                f"(docs/exactness.md)")
     return (". This step has 16-bit floating-point values: to keep its bits, the remat planners "
             "leave the values XLA fuses into a summation (a softmax's exponential, a norm's "
             "centred input) where the forward pass made them. Config(bitwise=False) recomputes "
