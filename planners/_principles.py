@@ -159,15 +159,6 @@ def without_constant_decisions(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan
         "around them", host_copies=sorted(set(plan.offload) & constant))
 
 
-# What the bit-exactness rules that take re-issues back from a plan call the values (the
-# notes of :func:`~jaxmem.planners._folding.without_reissues` name them; only under
-# ``bitwise``): :data:`BITWISE_RULES`.
-MASKED_SUMS = "randomly masked values read by sums"
-REFUSED_REDUCTIONS = "reductions XLA:CPU would fuse otherwise"
-REFUSED_FUSED_COPIES = "elementwise buffers only re-issued ops read"
-BITWISE_RULES = (MASKED_SUMS, REFUSED_REDUCTIONS, REFUSED_FUSED_COPIES)
-
-
 @per_graph
 def masked_sums(graph: Any) -> frozenset[int]:
     """Values that apply a random mask (dropout) and that a reduction reads.
@@ -237,7 +228,7 @@ def without_masked_sums(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
     """``plan`` without re-issues of :func:`masked_sums`, re-simulated."""
     dropped = sorted(set(plan.remat) & masked_sums(graph)) if plan.remat else []
     return without_reissues(
-        graph, plan, dropped, MASKED_SUMS,
+        graph, plan, dropped, "randomly masked values read by sums",
         "XLA:CPU fuses a re-issued copy into the sums, which then add in another order than "
         "the plain step's")
 
@@ -413,7 +404,7 @@ def without_refused_reductions(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan
         dropped |= more
         kept = kept.replace(remat={t: p for t, p in kept.remat.items() if t not in dropped})
     return without_reissues(
-        graph, plan, sorted(dropped), REFUSED_REDUCTIONS,
+        graph, plan, sorted(dropped), "reductions XLA:CPU would fuse otherwise",
         "XLA:CPU computes a reduction inside the loop of its one reader, or as a kernel of "
         "its own where several read it, and the two sum in other orders")
 
@@ -480,7 +471,8 @@ def refused_fused_copies(graph: Any, plan: plan_lib.Plan) -> frozenset[int]:
 def without_refused_fused_copies(graph: Any, plan: plan_lib.Plan) -> plan_lib.Plan:
     """``plan`` without re-issues of :func:`refused_fused_copies`, re-simulated."""
     return without_reissues(
-        graph, plan, sorted(refused_fused_copies(graph, plan)), REFUSED_FUSED_COPIES,
+        graph, plan, sorted(refused_fused_copies(graph, plan)),
+        "elementwise buffers only re-issued ops read",
         "XLA:CPU would compute the copy inside the kernels of its readers, where the plain "
         "step reads a buffer, and LLVM contracts other products into fused multiply-adds "
         "there")

@@ -247,31 +247,6 @@ def test_a_32_bit_step_no_plan_fits_names_its_masked_sums_and_the_way_out():
     budget = (below.floor_bytes + below.best_compiled_bytes) // 2
     said = str(_infeasible(step, args, budget))
     masked = _principles.masked_sums(build_graph(step, *args, target="cpu"))
-    assert f"{len(masked)} dropout-masked values that sums read" in said, said
+    assert f"this step's {len(masked)} dropout-masked values that sums read" in said, said
     assert "Config(bitwise=False) re-issues them too" in said
     assert "dropout-masked" not in str(_infeasible(step, args, budget, bitwise=False))
-
-
-def test_the_hint_counts_the_reissues_a_bitwise_rule_took_back_from_the_plans_tried():
-    """A 32-bit step without dropout: the hint names what the rules took back from the
-    rounds' plans, by the note :func:`jaxmem.planners._folding.without_reissues` writes,
-    and says nothing where no rule took anything back."""
-    from jaxmem.planners._folding import without_reissues
-    from jaxmem.verify import loop
-
-    def step(w, x):
-        return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
-
-    args = (jnp.ones((8, 8)), jnp.ones((4, 8)))
-    g = build_graph(step, *args, target="cpu")
-    assert not _principles.masked_sums(g)
-    plain = plan_lib.unplanned(g)
-    taken = without_reissues(g, plain.replace(remat={t: (len(g.ops) - 1,) for t in (1, 2)}),
-                             [1, 2], _principles.REFUSED_FUSED_COPIES, "a reason")
-    assert loop._taken_back(taken, _principles.REFUSED_FUSED_COPIES) == 2
-    assert loop._taken_back(taken, _principles.REFUSED_REDUCTIONS) == 0
-    rounds = [loop.Round(1, plain, 2, 0), loop.Round(1, taken, 2, 0)]
-    hint = loop._bitwise_hint(g, jaxmem.Config(), rounds)
-    assert f"2 {_principles.REFUSED_FUSED_COPIES}" in hint and "Config(bitwise=False)" in hint
-    assert loop._bitwise_hint(g, jaxmem.Config(), rounds[:1]) == ""
-    assert loop._bitwise_hint(g, jaxmem.Config(bitwise=False), rounds) == ""

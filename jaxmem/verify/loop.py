@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
 from typing import Any, Callable, Sequence
 
@@ -380,7 +379,7 @@ def _settle(loop: _Loop, arg_labels: Sequence[int | str] | None
                         argument_floor(graph, loop.abstract_args, loop.donate_argnums,
                                        arg_labels))
     if floor is None or floor <= budget:  # below the arguments no way of planning helps
-        tried += _bitwise_hint(graph, config, rounds) + _scan_hint(graph, config)
+        tried += _bitwise_hint(graph, config) + _scan_hint(graph, config)
     if config.on_over_budget == "warn":
         below = ("" if floor is None or floor <= budget else
                  f" The arguments and the outputs the step does not write into donated "
@@ -519,48 +518,30 @@ def _sixteen_bit(graph: Any) -> bool:
     return not fused_segments_are_exact(graph)
 
 
-def _bitwise_hint(graph: Any, config: Config, rounds: Sequence[Round] = ()) -> str:
+def _bitwise_hint(graph: Any, config: Config) -> str:
     """Why a step may miss its budget while its plans keep its bits, and the way out: a
-    16-bit step's values fused into summations; a 32-bit step's dropout-masked values that
-    sums read (:func:`~jaxmem.planners._principles.masked_sums`, which no bit-exact plan
-    re-issues) and the re-issues the other bit-exactness rules took back from ``rounds``'
-    plans (their notes say how many)."""
+    16-bit step's values fused into summations, a 32-bit step's dropout-masked values that
+    sums read (:func:`~jaxmem.planners._principles.masked_sums`)."""
     if not config.exact:
         return ""
     if not _sixteen_bit(graph):
-        from jaxmem.planners._principles import BITWISE_RULES, MASKED_SUMS, masked_sums
+        from jaxmem.planners._principles import masked_sums
 
         masked = masked_sums(graph)
-        taken = {what: max((_taken_back(r.plan, what) for r in rounds), default=0)
-                 for what in BITWISE_RULES if what != MASKED_SUMS}
-        parts = [f"{n} {what}" for what, n in taken.items() if n]
-        if masked:
-            held = format_bytes(sum(graph.tensors[t].bytes for t in masked))
-            parts.insert(0, f"{len(masked)} dropout-masked values that sums read ({held}), "
-                            f"which XLA:CPU would fuse re-issued into the sums")
-        if not parts:
+        if not masked:
             return ""
-        return (f". Bit-exact plans leave values where the forward pass made them that a "
-                f"re-issue would round otherwise on XLA:CPU: {'; '.join(parts)}. "
-                f"Config(bitwise=False) re-issues them too, which can lower the peak, with "
-                f"gradients that may differ from the plain step's in their last bits "
+        held = sum(graph.tensors[t].bytes for t in masked)
+        return (f". Bit-exact plans leave this step's {len(masked)} dropout-masked values "
+                f"that sums read ({format_bytes(held)}) where the forward pass made them "
+                f"(XLA:CPU fuses a re-issued copy into the sums, which then add in another "
+                f"order). Config(bitwise=False) re-issues them too, which can lower the peak, "
+                f"with gradients that may differ from the plain step's in their last bits "
                 f"(docs/exactness.md)")
     return (". This step has 16-bit floating-point values: to keep its bits, the remat planners "
             "leave the values XLA fuses into a summation (a softmax's exponential, a norm's "
             "centred input) where the forward pass made them. Config(bitwise=False) recomputes "
             "them whole, as jax.checkpoint does, for a lower peak and gradients within a few "
             "ulps (jax.checkpoint's own policies change the bits of such a step too)")
-
-
-def _taken_back(plan: plan_lib.Plan, what: str) -> int:
-    """How many re-issues of ``what`` a rule took back from ``plan``, by its note
-    (:func:`~jaxmem.planners._folding.without_reissues`)."""
-    for note in plan.notes:
-        m = re.match(rf"dropped the re-issues(?: and host copies)? of (\d+) {re.escape(what)} \(",
-                     note)
-        if m:
-            return int(m.group(1))
-    return 0
 
 
 def _scan_hint(graph: Any, config: Config) -> str:
