@@ -378,10 +378,11 @@ def _settle(loop: _Loop, arg_labels: Sequence[int | str] | None
     floor, undonated = ((None, ()) if config.allow_state_offload else
                         argument_floor(graph, loop.abstract_args, loop.donate_argnums,
                                        arg_labels))
-    if floor is None or floor <= budget:  # below the arguments no way of planning helps
+    above_floor = floor is None or floor <= budget
+    if above_floor:  # below the arguments no way of planning helps
         tried += _bitwise_hint(graph, config) + _scan_hint(graph, config)
     if config.on_over_budget == "warn":
-        below = ("" if floor is None or floor <= budget else
+        below = ("" if above_floor else
                  f" The arguments and the outputs the step does not write into donated "
                  f"arguments alone take {format_bytes(floor)}"
                  + (f"; donating the largest ({', '.join(str(a) for a, _ in undonated)}) "
