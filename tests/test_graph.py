@@ -220,6 +220,46 @@ def test_a_residual_sum_a_norm_reads_is_written_by_the_norms_reduction():
     assert not doubled.materialized
 
 
+def test_a_gradient_stream_a_matmuls_operand_parts_from_is_written_by_its_fusion():
+    """Rule 10, second reader: the backward residual stream ``g`` of a layer with dropout
+    is read by the dropout's gradient (``select(mask, g, 0) / p``, which the layer's
+    matmuls read: a buffer) and by the next sum of the stream. XLA writes ``g`` out of the
+    select's fusion (``add_any`` beside ``select_n`` in GPT-2's
+    ``input_add_multiply_reduce_select_fusion`` outputs); counted fused, every layer's
+    gradient summands stayed live to the last layer's backward (GPT-2 small's ``blocks``
+    plan simulated 21% over its compiled peak). A gelu's gradient products, whose two
+    chains meet again in one kernel, and a ReLU's input, whose second reader is its
+    narrower mask, stay fused, as in the dumps."""
+    def loss(ws, x, key):
+        for i, w in enumerate(ws):
+            keep = jax.random.bernoulli(jax.random.fold_in(key, i), 0.9, x.shape)
+            x = x + jnp.where(keep, jnp.tanh(x @ w) / 0.9, 0.0)
+        return jnp.sum(x ** 2)
+
+    ws = [jnp.ones((8, 8))] * 3
+    g = build_graph(jax.grad(loss), ws, jnp.ones((16, 8)), jax.random.key(0), target="h100")
+    streams = [t for t in g.tensors if t.producer is not None
+               and g.ops[t.producer].primitive == "add_any" and g.ops[t.producer].phase ==
+               "backward" and {g.ops[c].primitive for c in t.consumers} == {"select_n",
+                                                                            "add_any"}]
+    assert streams and all(t.materialized for t in streams)
+
+    def gelu_and_relu(w, x):
+        h = x @ w
+        a = jax.nn.gelu(h, approximate=True) @ w
+        return jnp.sum(jax.nn.relu(a + x) @ w)
+
+    g = build_graph(jax.grad(gelu_and_relu), jnp.ones((8, 8)), jnp.ones((16, 8)),
+                    target="h100")
+    backward = [t for t in g.tensors if t.producer is not None and len(t.consumers) >= 2
+                and g.ops[t.producer].phase == "backward" and t.shape == (16, 8)
+                and g.ops[t.producer].primitive == "mul"]
+    assert backward and not any(t.materialized for t in backward)
+    relu_input = next(g.tensors[op.outputs[0]] for op in g.ops if op.primitive == "add"
+                      and op.phase == "forward" and 1 in op.inputs)
+    assert len(relu_input.consumers) == 2 and not relu_input.materialized
+
+
 def test_a_planned_step_counts_a_softmax_exponential_as_a_buffer_but_not_a_loss_heads():
     """The view of a GPU step: an exponential that a sum, a normalization and the backward
     pass read is written out of the sum's fusion (the attention exponentials in the dumps);

@@ -278,6 +278,34 @@ def test_prediction_is_close_to_the_compiled_step(name, size, policy, tolerance)
     assert abs(row.error) <= tolerance, row
 
 
+def test_a_planned_gpt2_whose_peak_is_in_the_backward_pass_is_predicted_within_5_percent():
+    """GPT-2 small under ``blocks`` peaks in the last layer's backward pass, where the
+    residual stream's gradient is a buffer (rule 10, the second reader). Counted fused, the
+    plan simulated 21% over its compiled peak (142.9 MB against 118.0), and ``cpsat``
+    called budgets it fits infeasible. Compile-only, about 20 s."""
+    import jaxmem.models as zoo
+    import jaxmem.planners as registry
+    from jaxmem import emit as emit_lib, targets
+    from jaxmem.cost.costmodel import CostModel
+    from jaxmem.cost.measure import report
+    from jaxmem.plans.plan import simulate_plan
+
+    zs = zoo.build("gpt2", "small", step="train")
+    g = build_graph(zs.fn, *zs.args, donate_argnums=zs.donate_argnums, arg_roles=zs.arg_roles,
+                    target="h100")
+    plan = registry.get("blocks").fn.__wrapped__(g, 10**15, CostModel.for_target("h100"),
+                                                 {"bitwise": False})
+    h100 = targets.get("h100")
+    try:
+        compiled = jax.jit(emit_lib.emit(g, plan), donate_argnums=zs.donate_argnums).lower(
+            *h100.place(zs.args)).compile(compiler_options=h100.compiler_options)
+    except RuntimeError as err:  # no CUDA plugin: the compile-only target is unavailable
+        pytest.skip(str(err))
+    predicted = simulate_plan(g, plan).peak_bytes
+    actual = report(compiled, "h100").device_bytes
+    assert abs(predicted - actual) <= 0.05 * actual, (predicted, actual)
+
+
 def test_offline_packing_shares_offsets_of_disjoint_live_ranges():
     g = build_graph(lambda x: x + 1, jnp.ones(1))
     steps = [Step(None, (10,), ()),          # an argument: outside the heap

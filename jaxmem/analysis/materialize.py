@@ -258,6 +258,7 @@ def decide(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], producer: Sequence[int | 
     alias: list[int | None] = [None] * n
     nbytes = _tensor_bytes(jaxpr, ids, n)
     reduced = _read_by_reduction(eqns, ids, rep, consumers, nbytes)
+    written = _read_by_a_buffer(eqns, ids, rep, consumers, nbytes)
     reads: dict[int, frozenset[int]] = {}  # buffers a fused value is computed from, so far
     from_bits: set[int] = set()  # fused values computed from random bits (rule 11)
 
@@ -296,12 +297,13 @@ def decide(jaxpr: jcore.Jaxpr, ids: Mapping[Any, int], producer: Sequence[int | 
         else:
             sources = buffers_read(eqn)
             # Rule 10: a sum of two large buffers (a residual stream) that a reduction
-            # reads and other kernels read too is written out by the reduction's fusion.
+            # reads, or a kernel that writes a buffer, and other kernels read too is
+            # written out by that kernel's fusion.
             large = [b for b in sources if 2 * nbytes[b] >= nbytes[t] > 0]
             bits_in = [rep[ids[v]] for v in eqn.invars if _is_var(v) and (
                 rep[ids[v]] in from_bits or _made_by(eqns, producer, rep[ids[v]], _BITS))]
-            if prim in ELEMENTWISE and len(large) >= 2 and reduced[t] \
-                    and len(consumers[t]) >= 2:
+            if prim in ELEMENTWISE and len(large) >= 2 and len(consumers[t]) >= 2 and (
+                    reduced[t] or written[t] and prim not in GEMM_OPERAND_FUSIBLE):
                 materialized[t] = True
             elif (counter_bits or bits_in) and len(consumers[t]) >= 2:  # rule 11
                 single = bits_in[0] if len(bits_in) == 1 and len(consumers[bits_in[0]]) == 1 \
@@ -416,6 +418,59 @@ def _read_by_reduction(eqns: Sequence[jcore.JaxprEqn], ids: Mapping[Any, int],
                     reduced[t] = True
                     break
     return reduced
+
+
+def _read_by_a_buffer(eqns: Sequence[jcore.JaxprEqn], ids: Mapping[Any, int],
+                      rep: Sequence[int], consumers: Sequence[set[int]],
+                      nbytes: Sequence[int]) -> list[bool]:
+    """Per identity class: is it a value that one kernel writes out for the others.
+
+    That is a value read by two chains of elementwise ops that part: one carries it
+    into a buffer (read by a matmul, a convolution or another non-fusing op, rule 2),
+    the other into kernels the first does not reach, both at its full width. The fusion
+    that writes the first chain's buffer writes the value too, and the other kernels
+    read it. A transformer's residual-stream gradient ``g`` is this: the dropout
+    gradient ``select(mask, g, 0) / p`` that the output projection's matmuls read is
+    written by a fusion that also writes ``g``, for the next layer's sums. Chains that
+    meet again in one kernel (a gelu's gradient products) and a narrower branch (a
+    ReLU's mask of the value, written by itself) leave the value fused.
+    """
+    n = len(rep)
+    # The buffers and other kernels each value's elementwise chains end in (a kernel
+    # that is not elementwise stands for itself, as -1 - its equation's index).
+    ends: list[frozenset[int]] = [frozenset()] * n
+    written = [False] * n
+    for i in range(len(eqns) - 1, -1, -1):
+        for v in eqns[i].outvars:
+            if not _is_var(v) or rep[ids[v]] != ids[v]:
+                continue
+            t = ids[v]
+            branches = []
+            for c in sorted(consumers[t]):
+                eqn = eqns[c]
+                outs = [ids[o] for o in eqn.outvars if _is_var(o)]
+                if eqn.primitive.name in ELEMENTWISE and len(outs) == 1 and _same_size(
+                        v.aval, eqn.outvars[0].aval):
+                    u = rep[outs[0]]
+                    buffer = _a_buffer_for(eqns, eqn, consumers[u])
+                    branches.append((frozenset((u,)) if buffer else ends[u], buffer or any(
+                        e >= 0 for e in ends[u]), nbytes[u] >= nbytes[t]))
+                else:
+                    branches.append((frozenset((-1 - c,)), False, False))
+            ends[t] = frozenset().union(*(b[0] for b in branches))
+            written[t] = any(
+                to_buffer and full and any(wide and not other <= into for j, (other, _, wide)
+                                           in enumerate(branches) if j != k)
+                for k, (into, to_buffer, full) in enumerate(branches))
+    return written
+
+
+def _a_buffer_for(eqns: Sequence[jcore.JaxprEqn], eqn: jcore.JaxprEqn, readers: set[int]) -> bool:
+    """Whether the output of ``eqn`` is a buffer by rule 2: a non-fusing op reads it (a
+    matmul reading a convert converts it in its own kernel)."""
+    return any(eqns[c].primitive.name in MATERIALIZING_CONSUMERS and not (
+        eqn.primitive.name in GEMM_OPERAND_FUSIBLE and eqns[c].primitive.name in GEMMS)
+        for c in readers)
 
 
 def _same_size(a: Any, b: Any) -> bool:
